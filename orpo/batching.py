@@ -1,0 +1,45 @@
+"""Seeded, length-grouped batch orders and padding, shared by the training loops."""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import numpy as np
+
+
+def batch_schedule(
+    lengths: Sequence[int], batch_size: int, epochs: int, seed: int, max_steps: int = 0, window: int = 32,
+) -> list[list[int]]:
+    """Row indices of every step, reproducible from `seed`.
+
+    Per epoch: a seeded permutation (the remainder of n / batch_size rows sits the epoch out), then
+    windows of `window` batches are sorted by length and cut into batches, and the batches shuffled.
+    Similar lengths share a batch, so little compute goes to padding, while the order stays random.
+    """
+    n = len(lengths)
+    if n < batch_size:
+        raise ValueError(f"{n} rows is fewer than batch_size {batch_size}")
+    steps: list[list[int]] = []
+    for epoch in range(epochs):
+        rng = np.random.default_rng([seed, epoch])
+        order = rng.permutation(n)[: n - n % batch_size]
+        batches = []
+        span = window * batch_size
+        for start in range(0, len(order), span):
+            chunk = sorted(order[start : start + span].tolist(), key=lambda i: lengths[i])
+            batches += [chunk[i : i + batch_size] for i in range(0, len(chunk), batch_size)]
+        steps += [batches[i] for i in rng.permutation(len(batches))]
+        if max_steps and len(steps) >= max_steps:
+            break
+    return steps[:max_steps] if max_steps > 0 else steps
+
+
+def pad_rows(rows: Sequence[Sequence[int]], pad: int, multiple: int = 16) -> np.ndarray:
+    """Right-pad int rows to one length, rounded up to `multiple` so few distinct shapes occur."""
+    width = max(len(r) for r in rows)
+    width = int(math.ceil(width / multiple) * multiple)
+    out = np.full((len(rows), width), pad, dtype=np.int32)
+    for i, r in enumerate(rows):
+        out[i, : len(r)] = r
+    return out

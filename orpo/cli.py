@@ -1,0 +1,220 @@
+"""`orpo <stage> ...`: parse arguments, call the stage core, nothing else."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import traceback
+from pathlib import Path
+from typing import Any, Callable
+
+from orpo.blas import reexec_with_openblas
+
+
+def _settings(text: str) -> dict[str, Any]:
+    """--settings takes JSON, or @file holding JSON."""
+    if text.startswith("@"):
+        text = Path(text[1:]).read_text()
+    value = json.loads(text)
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("settings must be a JSON object")
+    return value
+
+
+def _labelled(text: str) -> tuple[str, str]:
+    label, sep, path = text.partition("=")
+    if not sep or not label or not path:
+        raise argparse.ArgumentTypeError(f"expected LABEL=PATH, got {text!r}")
+    return label, path
+
+
+def cmd_data(a: argparse.Namespace) -> Any:
+    from orpo.data.synth import write_eval_prompts, write_rows
+
+    if a.what == "rows":
+        return {"rows": write_rows(a.out, a.settings.get("rows", a.n), a.settings.get("seed", a.seed))}
+    return {"prompts": write_eval_prompts(a.out, a.n, a.seed)}
+
+
+def cmd_curate(a: argparse.Namespace) -> Any:
+    from orpo.curate.core import curate
+
+    tokenizer = a.tokenizer
+    if a.tokenizer_from:
+        from orpo.render.template import resolve_model_dir
+
+        tokenizer = str(resolve_model_dir(a.tokenizer_from) / "tokenizer.json")
+    return curate(a.inputs, a.out, a.settings, tokenizer=tokenizer, eval_prompts=a.eval_prompts)
+
+
+def cmd_base(a: argparse.Namespace) -> Any:
+    from orpo.base.model import build_base
+
+    return build_base(a.raw, a.out, a.settings)
+
+
+def cmd_render(a: argparse.Namespace) -> Any:
+    from orpo.render.pairs import render_pairs
+
+    return render_pairs(a.model, a.curated, a.out, a.settings)
+
+
+def cmd_train(a: argparse.Namespace) -> Any:
+    from orpo.train.trainer import train
+
+    index = train(a.model, a.rendered, a.out, a.settings)
+    return {k: v for k, v in index.items() if k != "checkpoints"}
+
+
+def cmd_replay(a: argparse.Namespace) -> Any:
+    from orpo.io import write_json
+    from orpo.train.trainer import replay
+
+    record = replay(a.run, a.model, a.rendered, a.checkpoint, a.start)
+    if not record["equal"]:
+        write_json(Path(a.out).with_suffix(".mismatch.json"), record)
+        raise SystemExit(f"orpo replay: step {record['step']} replayed to {record['replayed_sha256']}, "
+                         f"but the checkpoint's sha256 is {record['expected_sha256']}")
+    write_json(a.out, record)
+    return record
+
+
+def cmd_generate(a: argparse.Namespace) -> Any:
+    from orpo.eval.generate import generate
+
+    adapter = a.adapter
+    if adapter and a.checkpoint != "final":
+        from orpo.train.checkpoint import read_index, resolve_step, step_dir
+
+        adapter = step_dir(Path(adapter), resolve_step(read_index(Path(adapter)), a.checkpoint))
+    return generate(a.model, a.prompts, a.out, a.settings, adapter=adapter, label=a.label,
+                    template=a.template, limit=a.limit)
+
+
+def cmd_ifeval_compare(a: argparse.Namespace) -> Any:
+    from orpo.eval.ifeval.compare import compare_models
+
+    result = compare_models(a.inputs, dict(a.generations), a.out, a.details, limit=a.limit)
+    return {label: {k: v for k, v in m.items() if k.endswith("_acc")} for label, m in result["models"].items()}
+
+
+def cmd_ifeval_score(a: argparse.Namespace) -> Any:
+    from orpo.eval.ifeval.score import score_files
+
+    s = score_files(a.inputs, a.responses, a.out)
+    return {k: v for k, v in s.items() if k.endswith("_acc") or k in ("prompts", "instructions")}
+
+
+def cmd_env(a: argparse.Namespace) -> Any:
+    import importlib.metadata
+
+    import mlx.core as mx
+
+    maps = Path("/proc/self/maps")
+    blas = sorted({ln.split()[-1] for ln in maps.read_text().splitlines() if "blas" in ln.lower()}) if maps.exists() else []
+    versions = {}
+    for dist in ("mlx", "mlx-lm", "snakemake", "polars", "tokenizers"):
+        try:
+            versions[dist] = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            versions[dist] = None
+    return {"python": sys.version.split()[0], "versions": versions, "device": str(mx.default_device()),
+            "blas_loaded": blas}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The `orpo` command line."""
+    ap = argparse.ArgumentParser(prog="orpo", description="ORPO pipeline stages (each a Snakemake rule).")
+    sub = ap.add_subparsers(dest="stage", required=True)
+
+    def stage(name: str, fn: Callable, help: str, settings: bool = True) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, help=help, description=help)
+        p.set_defaults(fn=fn)
+        if settings:
+            p.add_argument("--settings", type=_settings, default={}, help="stage settings as JSON or @file")
+        return p
+
+    stage("env", cmd_env, "print versions, the MLX device and the BLAS libraries loaded", settings=False)
+
+    p = stage("data", cmd_data, "generate the synthetic preference rows or the eval prompt set")
+    p.add_argument("what", choices=["rows", "eval-prompts"])
+    p.add_argument("--out", required=True)
+    p.add_argument("--n", type=int, default=2400, help="rows or prompts (settings.rows wins for rows)")
+    p.add_argument("--seed", type=int, default=0)
+
+    p = stage("curate", cmd_curate, "binarize raw rows into chosen/rejected pairs")
+    p.add_argument("--inputs", nargs="+", required=True, help="files, folders or hub ids")
+    p.add_argument("--out", required=True)
+    p.add_argument("--tokenizer", help="tokenizer.json for token-length filters")
+    p.add_argument("--tokenizer-from", help="a model folder or hub id whose tokenizer.json to use")
+    p.add_argument("--eval-prompts", help="jsonl of eval prompts to decontaminate against")
+
+    p = stage("base", cmd_base, "build the embedded tiny model from raw rows")
+    p.add_argument("--raw", required=True)
+    p.add_argument("--out", required=True)
+
+    p = stage("render", cmd_render, "render pairs through the chat template into token ids")
+    p.add_argument("--model", required=True)
+    p.add_argument("--curated", required=True)
+    p.add_argument("--out", required=True)
+
+    p = stage("train", cmd_train, "train an ORPO LoRA adapter")
+    p.add_argument("--model", required=True)
+    p.add_argument("--rendered", required=True)
+    p.add_argument("--out", required=True)
+
+    p = stage("replay", cmd_replay, "replay a checkpoint and verify its hash", settings=False)
+    p.add_argument("--run", required=True)
+    p.add_argument("--model", required=True)
+    p.add_argument("--rendered", required=True)
+    p.add_argument("--checkpoint", default="best_margin", help="best_margin, best_loss, final or a step")
+    p.add_argument("--from", dest="start", default="previous", choices=["previous", "zero"])
+    p.add_argument("--out", required=True)
+
+    p = stage("generate", cmd_generate, "generate responses to the eval prompts")
+    p.add_argument("--model", required=True)
+    p.add_argument("--adapter", help="a training run folder (or adapter folder)")
+    p.add_argument("--checkpoint", default="final", help="with a run folder: final, best_margin, best_loss or a step")
+    p.add_argument("--prompts", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--label", default="model")
+    p.add_argument("--template", help="chat template override (.jinja)")
+    p.add_argument("--limit", type=int, default=0)
+
+    p = sub.add_parser("ifeval", help="IFEval scoring")
+    isub = p.add_subparsers(dest="action", required=True)
+    q = isub.add_parser("compare", help="score several models' generations on the same prompts")
+    q.set_defaults(fn=cmd_ifeval_compare)
+    q.add_argument("--inputs", required=True)
+    q.add_argument("--generations", nargs="+", type=_labelled, required=True, help="LABEL=PATH, reference first")
+    q.add_argument("--out", required=True)
+    q.add_argument("--details", required=True)
+    q.add_argument("--limit", type=int, default=0)
+    q = isub.add_parser("score", help="score a responses file (IFEval reference formats)")
+    q.set_defaults(fn=cmd_ifeval_score)
+    q.add_argument("--inputs", required=True)
+    q.add_argument("--responses", required=True)
+    q.add_argument("--out", required=True)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point of the `orpo` command."""
+    argv = sys.argv[1:] if argv is None else argv
+    reexec_with_openblas(argv)
+    args = build_parser().parse_args(argv)
+    try:
+        result = args.fn(args)
+    except (ValueError, OSError, KeyError, RuntimeError) as e:
+        if os.environ.get("ORPO_DEBUG"):
+            traceback.print_exc()
+        print(f"orpo {args.stage}: error: {e}", file=sys.stderr)
+        raise SystemExit(1) from None
+    if result is not None:
+        print(json.dumps(result, indent=2, sort_keys=True, default=str))
+
+
+if __name__ == "__main__":
+    main()

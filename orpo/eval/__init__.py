@@ -1,0 +1,1 @@
+"""Evaluation of generated responses (IFEval)."""

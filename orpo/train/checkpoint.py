@@ -1,0 +1,74 @@
+"""Checkpoints: adapter, optimizer state and loop state per step, and the index of their hashes."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+import mlx.optimizers as optim
+from mlx.utils import tree_flatten, tree_unflatten
+
+from orpo.io import atomic_path, sha256_file, write_json
+from orpo.train.lora import load_adapter_weights, save_adapter
+
+
+def step_dir(run_dir: Path, step: int) -> Path:
+    """Folder of the checkpoint at `step`."""
+    return run_dir / "checkpoints" / f"step-{step:06d}"
+
+
+def save_checkpoint(
+    run_dir: Path, step: int, model: nn.Module, opt: optim.Optimizer, adapter_config: dict[str, Any],
+    state: dict[str, Any],
+) -> str:
+    """Write the checkpoint at `step` atomically; returns the sha256 of its adapters.safetensors."""
+    with atomic_path(step_dir(run_dir, step)) as tmp:
+        tmp.mkdir()
+        save_adapter(model, adapter_config, tmp)
+        opt_state = dict(sorted(tree_flatten(opt.state)))
+        mx.save_safetensors(str(tmp / "optimizer.safetensors"), opt_state)
+        write_json(tmp / "state.json", {**state, "step": step})
+        sha = sha256_file(tmp / "adapters.safetensors")
+    return sha
+
+
+def load_checkpoint(run_dir: Path, step: int, model: nn.Module, opt: optim.Optimizer) -> dict[str, Any]:
+    """Restore adapter weights and optimizer state of `step`; returns its state.json."""
+    d = step_dir(run_dir, step)
+    load_adapter_weights(model, d)
+    opt.state = tree_unflatten(list(mx.load(str(d / "optimizer.safetensors")).items()))
+    return json.loads((d / "state.json").read_text())
+
+
+def read_index(run_dir: Path) -> dict[str, Any]:
+    """index.json: {'checkpoints': {step: {sha256, validation}}, best steps, final step}."""
+    path = run_dir / "index.json"
+    if path.exists():
+        return json.loads(path.read_text())
+    return {"checkpoints": {}}
+
+
+def kept_steps(run_dir: Path) -> list[int]:
+    """Steps whose checkpoint folder is on disk, ascending."""
+    root = run_dir / "checkpoints"
+    if not root.exists():
+        return []
+    return sorted(int(p.name.split("-")[1]) for p in root.glob("step-*") if (p / "state.json").exists())
+
+
+def resolve_step(index: dict[str, Any], which: str | int) -> int:
+    """A step number from 'final', 'best_margin', 'best_loss' or a number."""
+    if isinstance(which, int) or str(which).isdigit():
+        step = int(which)
+    elif which in ("final", "best_margin", "best_loss"):
+        step = index.get(f"{which}_step")
+        if step is None:
+            raise ValueError(f"the run's index.json has no {which}_step")
+    else:
+        raise ValueError(f"unknown checkpoint {which!r}: use final, best_margin, best_loss or a step number")
+    if str(step) not in index["checkpoints"]:
+        raise ValueError(f"step {step} is not a checkpoint of this run (have {sorted(map(int, index['checkpoints']))})")
+    return step

@@ -1,0 +1,49 @@
+"""Rendered preference pairs -> padded [chosen; rejected] token batches, in a seeded, replayable order."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlx.core as mx
+import polars as pl
+
+from orpo.batching import pad_rows
+
+COLUMNS = ["id", "prompt_ids", "chosen_ids", "rejected_ids", "chosen_mask", "rejected_mask"]
+
+
+@dataclass
+class Pairs:
+    """Token ids of each pair, the prompt and both responses kept apart."""
+
+    ids: list[str]
+    prompt: list[list[int]]
+    chosen: list[list[int]]
+    rejected: list[list[int]]
+    chosen_mask: list[list[int]]
+    rejected_mask: list[list[int]]
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+
+def load_pairs(path: str | Path) -> Pairs:
+    """Read a rendered parquet file (the render stage's contract)."""
+    df = pl.read_parquet(path, columns=COLUMNS)
+    return Pairs(*(df[c].to_list() for c in COLUMNS))
+
+
+def pair_lengths(pairs: Pairs) -> list[int]:
+    """Per pair, the longer of prompt+chosen and prompt+rejected (what its batch must pad to)."""
+    return [len(p) + max(len(c), len(r)) for p, c, r in zip(pairs.prompt, pairs.chosen, pairs.rejected)]
+
+
+def pair_batch(pairs: Pairs, rows: list[int]) -> tuple[mx.array, mx.array]:
+    """Tokens and scoring mask of shape [2B, T]: the B chosen sequences, then the B rejected ones."""
+    seqs, masks = [], []
+    for responses, resp_masks in ((pairs.chosen, pairs.chosen_mask), (pairs.rejected, pairs.rejected_mask)):
+        for r in rows:
+            seqs.append(pairs.prompt[r] + responses[r])
+            masks.append([0] * len(pairs.prompt[r]) + resp_masks[r])
+    return mx.array(pad_rows(seqs, 0)), mx.array(pad_rows(masks, 0))

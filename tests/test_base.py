@@ -1,0 +1,51 @@
+"""The embedded base model: an HF-style folder mlx-lm loads, warmed up so that it generates text."""
+
+import json
+
+import mlx.core as mx
+from mlx_lm import generate, load
+from tokenizers import Tokenizer
+
+from orpo.base.model import build_base, read_conversations
+from orpo.base.tokenizer import CHAT_TEMPLATE, EOS_TOKEN, train_bpe
+from orpo.io import sha256_file
+
+from conftest import TINY_BASE
+
+
+def test_folder_is_hf_style_and_loads_in_mlx_lm(tiny_base):
+    for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"):
+        assert (tiny_base / name).exists(), name
+    config = json.loads((tiny_base / "config.json").read_text())
+    assert config["model_type"] == "llama" and config["num_hidden_layers"] == TINY_BASE["num_layers"]
+    tok_config = json.loads((tiny_base / "tokenizer_config.json").read_text())
+    assert tok_config["chat_template"] == CHAT_TEMPLATE and tok_config["eos_token"] == EOS_TOKEN
+
+    model, tokenizer = load(str(tiny_base))
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "Tell me about the cat."}],
+                                           add_generation_prompt=True, tokenize=False)
+    assert prompt.endswith("<|im_start|>assistant\n")
+    assert Tokenizer.from_file(str(tiny_base / "tokenizer.json")).token_to_id(EOS_TOKEN) in tokenizer.eos_token_ids
+    text = generate(model, tokenizer, prompt, max_tokens=20)
+    assert len(text.split()) >= 3
+
+
+def test_warmup_lowers_the_loss(tiny_base):
+    log = json.loads((tiny_base / "warmup_log.json").read_text())
+    assert log[-1]["step"] == TINY_BASE["steps"]
+    assert log[-1]["loss"] < 0.7 * log[0]["loss"]
+
+
+def test_same_settings_give_identical_bytes(tiny_raw, tiny_base, tmp_path):
+    build_base(tiny_raw, tmp_path / "again", TINY_BASE)
+    for name in ("model.safetensors", "tokenizer.json", "config.json"):
+        assert sha256_file(tmp_path / "again" / name) == sha256_file(tiny_base / name), name
+
+
+def test_tokenizer_round_trips_the_data(tiny_raw):
+    convs = read_conversations(tiny_raw)
+    texts = [c[0] for c in convs[:50]]
+    tok = train_bpe(texts, 512)
+    for t in texts:
+        assert tok.decode(tok.encode(t, add_special_tokens=False).ids) == t
+    assert mx.array(tok.encode(texts[0]).ids).size < len(texts[0])

@@ -1,0 +1,16 @@
+rule train:
+    input:
+        rendered="results/rendered",
+        model=model_input(),
+    output:
+        directory("results/train/run"),
+    params:
+        model=model_ref(),
+        settings=settings("train"),
+        code=CODE["train"],
+    threads: workflow.cores
+    log:
+        "logs/train.log",
+    shell:
+        "orpo train --model {params.model} --rendered {input.rendered} --out {output} "
+        "--settings {params.settings:q} > {log} 2>&1"

@@ -90,7 +90,7 @@ def cmd_generate(a: argparse.Namespace) -> Any:
 
         adapter = step_dir(Path(adapter), resolve_step(read_index(Path(adapter)), a.checkpoint))
     return generate(a.model, a.prompts, a.out, a.settings, adapter=adapter, label=a.label,
-                    template=a.template, limit=a.limit)
+                    render=a.render_settings, limit=a.limit)
 
 
 def cmd_ifeval_compare(a: argparse.Namespace) -> Any:
@@ -180,7 +180,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompts", required=True)
     p.add_argument("--out", required=True)
     p.add_argument("--label", default="model")
-    p.add_argument("--template", help="chat template override (.jinja)")
+    p.add_argument("--render-settings", type=_settings, default={},
+                   help="the render stage's settings (template override, template_kwargs) as JSON or @file")
     p.add_argument("--limit", type=int, default=0)
 
     p = sub.add_parser("ifeval", help="IFEval scoring")

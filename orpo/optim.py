@@ -31,3 +31,27 @@ def lr_schedule(kind: str, lr: float, total_steps: int, warmup_steps: int) -> Ca
 def warmup_steps_for(total_steps: int, warmup: float | int) -> int:
     """A warmup given as a fraction of the run (< 1) or as a step count."""
     return int(math.ceil(warmup * total_steps)) if 0 < warmup < 1 else int(warmup)
+
+
+def lora_adamw(
+    kind: str, lr: float, total_steps: int, warmup_steps: int, weight_decay: float, plus_ratio: float = 1.0,
+) -> optim.Optimizer:
+    """AdamW for LoRA weights; with plus_ratio != 1 (LoRA+, Hayou et al. 2024) the B matrices get lr * plus_ratio.
+
+    B starts at zero and does all of the first steps' learning, so a faster B speeds up early training. The
+    two rates follow the same schedule shape; both optimizers' states live in one tree, so checkpoints
+    save and restore them like a single AdamW's.
+    """
+    base = optim.AdamW(learning_rate=lr_schedule(kind, lr, total_steps, warmup_steps), weight_decay=weight_decay)
+    if plus_ratio == 1.0:
+        return base
+    fast = optim.AdamW(learning_rate=lr_schedule(kind, lr * plus_ratio, total_steps, warmup_steps),
+                       weight_decay=weight_decay)
+    return optim.MultiOptimizer([fast, base], [lambda path, _: path.endswith("lora_b")])
+
+
+def current_lr(opt: optim.Optimizer) -> float:
+    """The base learning rate of the last update (the A matrices' rate under LoRA+)."""
+    if isinstance(opt, optim.MultiOptimizer):
+        opt = opt.optimizers[-1]
+    return opt.learning_rate.item()

@@ -75,6 +75,9 @@ def test_second_run_has_nothing_to_do(workflow_run):
         ("train", "lr", 0.002, {"train", "replay", "generate_orpo", "ifeval"}),
         ("render", "max_prompt_length", 80, {"render", "train", "replay", "generate_orpo", "ifeval"}),
         ("generate", "max_tokens", 20, {"generate_base", "generate_orpo", "ifeval"}),
+        # Prompt text changes for training and generation alike.
+        ("render", "template_kwargs", {"unused": 1},
+         {"render", "train", "replay", "generate_base", "generate_orpo", "ifeval"}),
         ("eval", "limit", 5, {"generate_base", "generate_orpo", "ifeval"}),
     ],
 )

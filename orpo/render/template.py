@@ -32,6 +32,8 @@ HUB_FILES = [
     "config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
     "chat_template.jinja", "chat_template.json", "additional_chat_templates/*.jinja",
 ]
+# What training and generation need beyond the tokenizer (mlx-lm's own list, plus generation config).
+WEIGHT_FILES = ["*.safetensors", "*.safetensors.index.json", "generation_config.json", "*.py", "*.tiktoken", "*.txt"]
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*/[\w.\-]+$")
 
 if tuple(int(p) for p in jinja2.__version__.split(".")[:3] if p.isdigit()) < (3, 1, 6):
@@ -60,8 +62,11 @@ class ModelSourceError(FileNotFoundError):
 # Model folder and hub ids
 
 
-def resolve_model_dir(model: str | os.PathLike) -> Path:
-    """Return a local folder for `model`: an existing path, or a hub id ("org/name") fetched when online."""
+def resolve_model_dir(model: str | os.PathLike, weights: bool = False) -> Path:
+    """Return a local folder for `model`: an existing path, or a hub id ("org/name") fetched when online.
+
+    A hub id fetches the tokenizer and template files, and the config and weights too with `weights`.
+    """
     path = Path(model).expanduser()
     if path.exists():
         if not path.is_dir():
@@ -73,7 +78,7 @@ def resolve_model_dir(model: str | os.PathLike) -> Path:
     try:
         from huggingface_hub import snapshot_download
 
-        return Path(snapshot_download(repo_id=text, allow_patterns=HUB_FILES))
+        return Path(snapshot_download(repo_id=text, allow_patterns=HUB_FILES + (WEIGHT_FILES if weights else [])))
     except Exception as e:  # offline, unknown repo, gated repo, ...: one clear message naming the id
         raise ModelSourceError(
             f"model {text!r}: not a local folder, and fetching it from the Hugging Face Hub failed "

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +58,21 @@ def kept_steps(run_dir: Path) -> list[int]:
     if not root.exists():
         return []
     return sorted(int(p.name.split("-")[1]) for p in root.glob("step-*") if (p / "state.json").exists())
+
+
+def prune_checkpoints(run_dir: Path, index: dict[str, Any], keep_last: int) -> list[int]:
+    """Delete checkpoint folders but the newest `keep_last` and the best-margin/best-loss ones; returns the removed.
+
+    index.json keeps every step's sha256, so a removed step can still be replayed (from an earlier kept one).
+    """
+    if keep_last <= 0:
+        return []
+    steps = kept_steps(run_dir)
+    keep = set(steps[-keep_last:]) | {index.get("best_margin_step"), index.get("best_loss_step")}
+    removed = [k for k in steps if k not in keep]
+    for k in removed:
+        shutil.rmtree(step_dir(run_dir, k))
+    return removed
 
 
 def resolve_step(index: dict[str, Any], which: str | int) -> int:

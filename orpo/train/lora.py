@@ -1,15 +1,53 @@
-"""LoRA adapters through mlx-lm's layers, saved in the format `mlx_lm.load(adapter_path=...)` reads."""
+"""LoRA adapters: our own layer (keyed init and dropout), saved in the format `mlx_lm.load(adapter_path=...)` reads.
+
+The layer computes exactly what mlx-lm's `LoRALinear` computes in eval mode (`y + scale * (x @ A) @ B`,
+same `lora_a`/`lora_b` names and shapes), so mlx-lm loads our adapters unchanged. It differs only in
+where randomness comes from: A's init and the training-time dropout mask come from keys derived from
+(seed, step, micro-batch, module index) instead of the global RNG, so every recompute sees the same mask.
+"""
 
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx.utils import tree_flatten
-from mlx_lm.tuner.utils import linear_to_lora_layers
+from mlx.utils import tree_flatten, tree_unflatten
+
+from orpo.train.keys import INIT, DropoutKeys, derive_key, keyed_dropout
+
+
+class AdapterMismatch(ValueError):
+    """An adapter to warm-start from does not fit this run's LoRA layers."""
+
+
+class LoRALinear(nn.Module):
+    """A frozen linear (plain or quantized) plus a float low-rank update: y = W x + scale * (drop(x) A) B."""
+
+    def __init__(self, linear: nn.Module, rank: int, scale: float, dropout: float, index: int,
+                 keys: DropoutKeys, init_key: mx.array):
+        super().__init__()
+        out_dims, in_dims = linear.weight.shape
+        if isinstance(linear, nn.QuantizedLinear):
+            in_dims = in_dims * 32 // linear.bits  # packed uint32 columns
+        self.linear = linear
+        self.scale = scale
+        self.p = dropout
+        self.index = index
+        self._keys = keys
+        bound = 1 / math.sqrt(in_dims)  # mlx-lm's init: A ~ U(-1/sqrt(in), 1/sqrt(in)), B = 0
+        self.lora_a = mx.random.uniform(-bound, bound, (in_dims, rank), key=init_key)
+        self.lora_b = mx.zeros((rank, out_dims))
+
+    def __call__(self, x: mx.array) -> mx.array:
+        y = self.linear(x)
+        if self.training and self.p > 0:
+            x = keyed_dropout(x, self.p, self._keys.key(self.index))
+        z = (x @ self.lora_a) @ self.lora_b
+        return y + (self.scale * z).astype(x.dtype)
 
 
 def block_keys(model: nn.Module, targets: list[str]) -> list[str]:
@@ -22,23 +60,36 @@ def block_keys(model: nn.Module, targets: list[str]) -> list[str]:
     return keys
 
 
-def apply_lora(model: nn.Module, settings: dict[str, Any], seed: int) -> dict[str, Any]:
-    """Freeze `model`, add LoRA layers (initialised from `seed`) and return the adapter_config.json dict."""
+def _layer_count(num_layers: int, total: int) -> int:
+    # mlx-lm adapts model.layers[-max(n, 0):], so n <= 0 means every block there.
+    return total if num_layers <= 0 or num_layers > total else num_layers
+
+
+def apply_lora(model: nn.Module, settings: dict[str, Any], seed: int, keys: DropoutKeys | None = None) -> dict[str, Any]:
+    """Freeze `model`, add LoRA layers (initialised from `seed`) and return the adapter_config.json dict.
+
+    `keys` is the shared step/micro-batch pointer the layers' dropout keys come from (the trainer moves it).
+    """
     rank = int(settings["rank"])
     scale = float(settings["alpha"]) / (rank ** 0.5 if settings.get("rslora") else rank)
-    num_layers = int(settings["num_layers"])
-    if num_layers < 0:
-        num_layers = len(model.layers)
-    params = {
-        "rank": rank,
-        "scale": scale,
-        "dropout": float(settings["dropout"]),
-        "keys": block_keys(model, list(settings["target_modules"])),
-    }
+    if int(settings["num_layers"]) == 0:
+        raise ValueError("lora.num_layers: 0 adapts no block (use -1 for all, or N > 0 for the last N)")
+    total = len(model.layers)
+    num_layers = _layer_count(int(settings["num_layers"]), total)
+    dropout = float(settings["dropout"])
+    module_keys = block_keys(model, list(settings["target_modules"]))
+    keys = keys if keys is not None else DropoutKeys(seed)
     model.freeze()
-    mx.random.seed(seed)
-    linear_to_lora_layers(model, num_layers, params)
+    for b in range(total - num_layers, total):
+        block = model.layers[b]
+        modules = dict(block.named_modules())
+        new = []
+        for j, name in enumerate(module_keys):
+            index = b * len(module_keys) + j  # stable across runs: block, then sorted module path
+            new.append((name, LoRALinear(modules[name], rank, scale, dropout, index, keys, derive_key(INIT, seed, index))))
+        block.update_modules(tree_unflatten(new))
     mx.eval(model.trainable_parameters())
+    params = {"rank": rank, "scale": scale, "dropout": dropout, "keys": module_keys}
     return {"fine_tune_type": "lora", "num_layers": num_layers, "lora_parameters": params}
 
 
@@ -57,3 +108,46 @@ def load_adapter_weights(model: nn.Module, adapter_dir: Path) -> None:
     """Load adapters.safetensors into a model that already has its LoRA layers."""
     model.load_weights(str(adapter_dir / "adapters.safetensors"), strict=False)
     mx.eval(model.parameters())
+
+
+def adapter_folder(path: str | Path) -> Path:
+    """The folder holding adapters.safetensors + adapter_config.json: a run, a checkpoint or an adapter folder."""
+    folder = Path(path)
+    if not ((folder / "adapters.safetensors").is_file() and (folder / "adapter_config.json").is_file()):
+        raise AdapterMismatch(f"init_adapter {path}: no adapters.safetensors and adapter_config.json there "
+                              "(give a run folder, a checkpoint folder or an mlx-lm adapter folder)")
+    return folder
+
+
+def warm_start(model: nn.Module, adapter_config: dict[str, Any], path: str | Path) -> Path:
+    """Load an existing adapter's LoRA weights into `model`; its config must match this run's (else AdapterMismatch)."""
+    folder = adapter_folder(path)
+    theirs = json.loads((folder / "adapter_config.json").read_text())
+    ours = adapter_config["lora_parameters"]
+    tp = theirs.get("lora_parameters", {})
+    problems = []
+    if theirs.get("fine_tune_type", "lora") != "lora":
+        problems.append(f"fine_tune_type {theirs.get('fine_tune_type')!r} is not 'lora'")
+    for key, knob in (("rank", "lora.rank"), ("keys", "lora.target_modules"), ("scale", "lora.alpha/lora.rslora")):
+        if tp.get(key) != ours[key]:
+            problems.append(f"{key} {tp.get(key)!r} != this run's {ours[key]!r} (set {knob} to match)")
+    n_theirs = _layer_count(int(theirs.get("num_layers", 0)), len(model.layers))
+    if n_theirs != adapter_config["num_layers"]:
+        problems.append(f"num_layers {n_theirs} != this run's {adapter_config['num_layers']} (set lora.num_layers to match)")
+    if not problems:
+        weights = mx.load(str(folder / "adapters.safetensors"))
+        expected = adapter_weights(model)
+        for name in sorted(set(expected) - set(weights)):
+            problems.append(f"{name} missing from the adapter")
+        for name in sorted(set(weights) - set(expected)):
+            problems.append(f"{name} is not a LoRA weight of this model")
+        for name in sorted(set(weights) & set(expected)):
+            if weights[name].shape != expected[name].shape:
+                problems.append(f"{name} has shape {tuple(weights[name].shape)}, this model needs "
+                                f"{tuple(expected[name].shape)} (another base model?)")
+    if problems:
+        raise AdapterMismatch(f"init_adapter {folder} does not match this run's LoRA: " + "; ".join(problems[:6]))
+    # Train in this run's dtype (float32) whatever the adapter was saved in.
+    model.load_weights([(k, v.astype(expected[k].dtype)) for k, v in weights.items()], strict=False)
+    mx.eval(model.trainable_parameters())
+    return folder

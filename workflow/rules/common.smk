@@ -32,6 +32,11 @@ def settings(section):
     return json.dumps(config[section], sort_keys=True)
 
 
+def prompt_rendering():
+    """The render settings that shape a prompt's text (not lengths): generation must render the same way."""
+    return json.dumps({k: config["render"][k] for k in ("template", "template_kwargs")}, sort_keys=True)
+
+
 def raw_rows():
     return config["data"]["raw"] or "results/data/raw.jsonl"
 

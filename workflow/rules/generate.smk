@@ -8,6 +8,7 @@ rule generate_base:
     params:
         model=model_ref(),
         settings=settings("generate"),
+        render=prompt_rendering(),
         limit=config["eval"]["limit"],
         code=CODE["generate"],
     threads: workflow.cores
@@ -15,7 +16,7 @@ rule generate_base:
         "logs/generate_base.log",
     shell:
         "orpo generate --model {params.model} --prompts {input.prompts} --label base --limit {params.limit} "
-        "--out {output} --settings {params.settings:q} > {log} 2>&1"
+        "--render-settings {params.render:q} --out {output} --settings {params.settings:q} > {log} 2>&1"
 
 
 rule generate_orpo:
@@ -29,6 +30,7 @@ rule generate_orpo:
     params:
         model=model_ref(),
         settings=settings("generate"),
+        render=prompt_rendering(),
         limit=config["eval"]["limit"],
         checkpoint=config["generate"]["adapter"],
         code=CODE["generate"],
@@ -38,4 +40,4 @@ rule generate_orpo:
     shell:
         "orpo generate --model {params.model} --adapter {input.run} --checkpoint {params.checkpoint} "
         "--prompts {input.prompts} --label orpo --limit {params.limit} "
-        "--out {output} --settings {params.settings:q} > {log} 2>&1"
+        "--render-settings {params.render:q} --out {output} --settings {params.settings:q} > {log} 2>&1"

@@ -1,0 +1,102 @@
+"""Generated tokens/s of orpo.generation's batched generation at batch sizes 1, 8 and 32, in one run.
+
+The same prompts (the first --n eval prompts, rendered through the model's chat template, as the
+generate stage does), greedy, --max-tokens each, at each batch size; batch 1 is one prompt at a time.
+Tokens/s is generated tokens over wall time, prefill included. A reference row times mlx_lm's own
+one-prompt-at-a-time stream_generate, so batch 1 is not a straw man. Runs unchanged on Linux CPU
+(mlx[cpu], OpenBLAS preloaded when found) and on NVIDIA GPUs (mlx[cuda]).
+Target, on the GPU: batch 32 >= 5x the tokens/s of batch 1.
+
+    .venv/bin/python bench/generation.py [--model results/base/model] [--prompts data/eval/ifeval_prompts.jsonl]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _reexec_with_openblas() -> None:
+    """On Linux CPU, restart once with OpenBLAS preloaded (the wheel's bundled BLAS is ~35x slower)."""
+    from orpo.blas import preload_value
+
+    if os.environ.get("_ORPO_BLAS_DONE") == "1":
+        return
+    os.environ["_ORPO_BLAS_DONE"] = "1"
+    value = preload_value()
+    if value and value != os.environ.get("LD_PRELOAD", ""):
+        os.execve(sys.executable, [sys.executable, *sys.argv], dict(os.environ, LD_PRELOAD=value))
+
+
+def _timed_batched(gen, ids: list[list[int]], batch_size: int, max_tokens: int) -> tuple[int, float]:
+    """(generated tokens, seconds) for all prompts at one batch size, after a short warm-up at that size."""
+    from orpo.generation import generate_batched
+
+    settings = {"temperature": 0.0, "top_p": 1.0, "seed": 0, "batch_size": batch_size, "max_tokens": max_tokens}
+    generate_batched(gen, ids[:batch_size], {**settings, "max_tokens": 4})
+    t0 = time.perf_counter()
+    _, stats = generate_batched(gen, ids, settings)
+    return stats["generated_tokens"], time.perf_counter() - t0
+
+
+def _timed_stream(gen, ids: list[list[int]], max_tokens: int) -> tuple[int, float]:
+    """(generated tokens, seconds) with mlx_lm's stream_generate, one prompt at a time, greedy."""
+    from mlx_lm.generate import stream_generate
+    from mlx_lm.sample_utils import make_sampler
+
+    sampler = make_sampler(temp=0.0)
+    for _ in stream_generate(gen.model, gen.wrapper, ids[0], max_tokens=4, sampler=sampler):
+        pass
+    t0, tokens = time.perf_counter(), 0
+    for prompt in ids:
+        last = None
+        for last in stream_generate(gen.model, gen.wrapper, prompt, max_tokens=max_tokens, sampler=sampler):
+            pass
+        # Its count includes the end-of-turn token, which batch_generate's token ids leave out.
+        tokens += (last.generation_tokens - (last.finish_reason == "stop")) if last else 0
+    return tokens, time.perf_counter() - t0
+
+
+def main() -> None:
+    """Measure and print the table."""
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default=str(ROOT / "results" / "base" / "model"), help="model folder or hub id")
+    ap.add_argument("--adapter", help="LoRA adapter folder")
+    ap.add_argument("--prompts", default=str(ROOT / "data" / "eval" / "ifeval_prompts.jsonl"))
+    ap.add_argument("--n", type=int, default=32, help="prompts (the first N)")
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32])
+    ap.add_argument("--no-reference", action="store_true", help="skip the mlx_lm stream_generate row")
+    a = ap.parse_args()
+    if a.model == ap.get_default("model") and not Path(a.model).is_dir():
+        sys.exit(f"no model at {a.model}: build the embedded base model first "
+                 "(.venv/bin/snakemake results/base/model --profile workflow/profiles/default) or pass --model PATH")
+    _reexec_with_openblas()
+
+    import mlx.core as mx
+
+    from orpo.generation import load_generator
+    from orpo.io import read_jsonl
+
+    gen = load_generator(a.model, a.adapter)
+    prompts = [row["prompt"] for _, row in read_jsonl(a.prompts)][: a.n]
+    ids = [gen.prompt_ids([{"role": "user", "content": p}]) for p in prompts]
+    print(f"device {mx.default_device()}, mlx {mx.__version__}; model {a.model}; {len(ids)} prompts "
+          f"({sum(map(len, ids)) / len(ids):.0f} tokens on average), greedy, max {a.max_tokens} new tokens")
+
+    rows = [(f"batch {b}", *_timed_batched(gen, ids, b, a.max_tokens)) for b in a.batch_sizes]
+    if not a.no_reference:
+        rows.append(("mlx_lm stream_generate", *_timed_stream(gen, ids, a.max_tokens)))
+    base = rows[0][1] / rows[0][2]
+    print(f"{'variant':<24}{'tokens':>8}{'seconds':>10}{'tokens/s':>11}{f'vs {rows[0][0]}':>12}")
+    for name, tokens, secs in rows:
+        print(f"{name:<24}{tokens:>8}{secs:>10.2f}{tokens / secs:>11.1f}{tokens / secs / base:>11.2f}x")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,57 @@
+"""A judge that is a local MLX model, run in-process through orpo.generation's batched generation."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from typing import Any
+
+
+class MlxJudge:
+    """Judgments from a local model folder (or hub id), rendered through its own chat template."""
+
+    def __init__(self, s: dict[str, Any]):
+        self.model = s["model"]
+        self._gen: Any = None  # loaded on first use: a fully cached rerun never loads the model
+        self.chunk_size = s["batch_size"]
+        self.gen_settings = {"temperature": float(s["temperature"]), "top_p": 1.0, "seed": s["seed"],
+                             "batch_size": s["batch_size"], "max_tokens": s["max_tokens"]}
+        self.identity = {"kind": "mlx", "model": str(s["model"]), "weights": _weights_fingerprint(s["model"]),
+                         "max_tokens": s["max_tokens"], "temperature": float(s["temperature"])}
+        if s["temperature"] > 0:
+            self.identity["seed"] = s["seed"]
+
+    def complete(self, chats: list[list[dict[str, str]]], attempt: int = 0) -> list[str]:
+        """One judgment text per chat (greedy at temperature 0; a retry reseeds only when sampling)."""
+        # Imported here so the HTTP judge (and its tests) never pay for importing MLX.
+        from orpo.generation import generate_batched, load_generator
+
+        if self._gen is None:
+            self._gen = load_generator(self.model)
+        ids = [self._prompt_ids(c) for c in chats]
+        texts, _ = generate_batched(self._gen, ids, {**self.gen_settings, "seed": self.gen_settings["seed"] + attempt})
+        return texts
+
+    def _prompt_ids(self, chat: list[dict[str, str]]) -> list[int]:
+        from orpo.render.template import ChatTemplateError
+
+        try:
+            return self._gen.prompt_ids(chat)
+        except ChatTemplateError:
+            # Templates without a system role: FastChat folds the system prompt into the user turn this way.
+            system, user = chat[0]["content"], chat[1]["content"]
+            return self._gen.prompt_ids([{"role": "user", "content": f"[Instruction]\n{system}\n\n{user}"}])
+
+
+def _weights_fingerprint(model: str | Path) -> str:
+    """Cheap identity of a local model folder (config bytes, weight file names and sizes); the name for a hub id."""
+    root = Path(model)
+    if not root.is_dir():
+        return str(model)
+    h = hashlib.sha256()
+    for name in ("config.json", "tokenizer_config.json"):
+        if (root / name).exists():
+            h.update((root / name).read_bytes())
+    for f in sorted(root.glob("*.safetensors")):
+        h.update(f"{f.name}:{f.stat().st_size}".encode())
+    return h.hexdigest()[:16]

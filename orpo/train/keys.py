@@ -1,0 +1,44 @@
+"""PRNG keys derived from integers (seed, step, micro-batch, module index), never from the global RNG.
+
+A recompute of the forward (mx.checkpoint, a segmented backward, a replay) rebuilds the same key from
+the same integers, so it draws the same LoRA init and the same dropout mask.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+import numpy as np
+
+# Domains keep the init keys and the dropout keys of one seed apart.
+INIT, DROPOUT = 1, 2
+
+
+def derive_key(*parts: int) -> mx.array:
+    """An mlx PRNG key (uint32[2]) that depends only on the integers `parts`."""
+    state = np.random.SeedSequence([int(p) % 2**64 for p in parts]).generate_state(2, np.uint32)
+    return mx.array(state, dtype=mx.uint32)
+
+
+@dataclass
+class DropoutKeys:
+    """Where training is (step, micro-batch): what every LoRA layer's dropout key is derived from."""
+
+    seed: int
+    step: int = 0
+    micro: int = 0
+
+    def at(self, step: int, micro: int = 0) -> None:
+        """Point the keys at optimizer step `step`, micro-batch `micro`."""
+        self.step, self.micro = step, micro
+
+    def key(self, index: int) -> mx.array:
+        """The dropout key of LoRA module `index` at the current step and micro-batch."""
+        return derive_key(DROPOUT, self.seed, self.step, self.micro, index)
+
+
+def keyed_dropout(x: mx.array, p: float, key: mx.array) -> mx.array:
+    """Inverted dropout of `x` with drop probability `p`, its mask drawn from `key`."""
+    keep = mx.random.bernoulli(1.0 - p, x.shape, key=key)
+    return mx.where(keep, x * (1.0 / (1.0 - p)), 0.0)

@@ -88,7 +88,11 @@ def cmd_generate(a: argparse.Namespace) -> Any:
     if adapter and a.checkpoint != "final":
         from orpo.train.checkpoint import read_index, resolve_step, step_dir
 
-        adapter = step_dir(Path(adapter), resolve_step(read_index(Path(adapter)), a.checkpoint))
+        step = resolve_step(read_index(Path(adapter)), a.checkpoint)
+        adapter = step_dir(Path(adapter), step)
+        if not adapter.exists():
+            raise ValueError(f"checkpoint {step} of {a.adapter} was pruned (train.keep_last); recover it with "
+                             f"`orpo replay --run {a.adapter} --checkpoint {step} ...` or generate from a kept step")
     return generate(a.model, a.prompts, a.out, a.settings, adapter=adapter, label=a.label,
                     render=a.render_settings, limit=a.limit)
 
@@ -105,6 +109,28 @@ def cmd_ifeval_score(a: argparse.Namespace) -> Any:
 
     s = score_files(a.inputs, a.responses, a.out)
     return {k: v for k, v in s.items() if k.endswith("_acc") or k in ("prompts", "instructions")}
+
+
+def cmd_spin(a: argparse.Namespace) -> Any:
+    from orpo.spin import spin_pairs
+
+    return spin_pairs(a.sft, a.model, a.adapter, a.out, a.settings, a.iteration, render=a.render_settings)
+
+
+def cmd_judge_run(a: argparse.Namespace) -> Any:
+    from orpo.eval.judge import judge_files
+
+    r = judge_files(a.questions, a.a, a.b, a.out, a.settings)
+    keys = ("questions", "judged", "counts", "win_rate", "adjusted_win_rate", "judged_now", "from_cache")
+    return {k: r[k] for k in keys if k in r}
+
+
+def cmd_judge_prompts(a: argparse.Namespace) -> Any:
+    from orpo.eval.judge import load_questions, write_prompts
+
+    questions, skipped = load_questions(a.prompt_set, a.questions)
+    questions = questions[: a.limit] if a.limit > 0 else questions
+    return {"prompts": write_prompts(questions, a.out), "skipped": skipped}
 
 
 def cmd_env(a: argparse.Namespace) -> Any:
@@ -184,6 +210,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the render stage's settings (template override, template_kwargs) as JSON or @file")
     p.add_argument("--limit", type=int, default=0)
 
+    p = stage("spin", cmd_spin, "SPIN pairs: SFT gold answers (chosen) vs the model's own answers (rejected)")
+    p.add_argument("--sft", nargs="+", required=True,
+                   help="SFT files, folders or hub ids: messages, prompt/response, or curated pairs")
+    p.add_argument("--model", required=True)
+    p.add_argument("--adapter", help="the generator's adapter: the previous iteration's run folder (none = base)")
+    p.add_argument("--iteration", type=int, required=True, help="1, 2, ...; iteration k > 1 needs --adapter")
+    p.add_argument("--render-settings", type=_settings, default={},
+                   help="the render stage's settings (template override, template_kwargs) as JSON or @file")
+    p.add_argument("--out", required=True)
+
     p = sub.add_parser("ifeval", help="IFEval scoring")
     isub = p.add_subparsers(dest="action", required=True)
     q = isub.add_parser("compare", help="score several models' generations on the same prompts")
@@ -197,6 +233,22 @@ def build_parser() -> argparse.ArgumentParser:
     q.set_defaults(fn=cmd_ifeval_score)
     q.add_argument("--inputs", required=True)
     q.add_argument("--responses", required=True)
+    q.add_argument("--out", required=True)
+
+    p = sub.add_parser("judge", help="pairwise LLM judge (MT-Bench's protocol)")
+    jsub = p.add_subparsers(dest="action", required=True)
+    q = jsub.add_parser("run", help="judge model A against model B on the same questions, in both orders")
+    q.set_defaults(fn=cmd_judge_run)
+    q.add_argument("--questions", required=True, help="curated folder / validation.parquet, or MT-Bench question.jsonl")
+    q.add_argument("--a", type=_labelled, required=True, help="LABEL=generations.jsonl of the model whose win rate is reported")
+    q.add_argument("--b", type=_labelled, required=True, help="LABEL=generations.jsonl of the reference model")
+    q.add_argument("--out", required=True, help="folder for verdicts.jsonl, summary.json (and cache.jsonl by default)")
+    q.add_argument("--settings", type=_settings, default={}, help="judge settings as JSON or @file")
+    q = jsub.add_parser("prompts", help="write a prompt set's questions as prompts for `orpo generate`")
+    q.set_defaults(fn=cmd_judge_prompts)
+    q.add_argument("--prompt-set", choices=["validation", "mt_bench"], required=True)
+    q.add_argument("--questions", required=True)
+    q.add_argument("--limit", type=int, default=0)
     q.add_argument("--out", required=True)
     return ap
 

@@ -90,6 +90,16 @@ def validate_config(config: dict[str, Any], base_dir: str | os.PathLike | None =
     config["eval"]["prompts"] = existing("eval.prompts", config["eval"]["prompts"]) or str(EMBEDDED_EVAL_PROMPTS)
     config["curate"]["truthfulqa_questions"] = existing("curate.truthfulqa_questions", config["curate"]["truthfulqa_questions"])
     config["render"]["template"] = existing("render.template", config["render"]["template"])
+    config["judge"]["prompts_file"] = existing("judge.prompts_file", config["judge"]["prompts_file"])
+    config["judge"]["questions"] = existing("judge.questions", config["judge"]["questions"])
+    if config["judge"]["prompt_set"] == "mt_bench" and not config["judge"]["questions"]:
+        raise ConfigError("config error: judge.questions: needed with judge.prompt_set mt_bench (MT-Bench's question.jsonl)")
+    config["train"]["init_adapter"] = existing("train.init_adapter", config["train"]["init_adapter"])
+    spin = config["spin"]
+    if spin["adapter"]:
+        spin["adapter"] = existing("spin.adapter", spin["adapter"])
+    if spin["sft"] and (os.sep in spin["sft"] or Path(spin["sft"]).suffix or (base / spin["sft"]).exists()):
+        spin["sft"] = existing("spin.sft", spin["sft"])  # a path; anything else is taken as a hub id
     if config["render"]["max_prompt_length"] >= config["render"]["max_length"]:
         raise ConfigError("config error: render.max_prompt_length must be smaller than render.max_length")
     return config

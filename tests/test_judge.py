@@ -116,6 +116,7 @@ def _qa(scripts: list[str]) -> tuple[list[Question], dict[str, str], dict[str, s
 
 def _settings(url: str, **kw) -> dict:
     return {"kind": "openai", "model": "scripted-judge", "base_url": url, "prompts_file": str(JUDGE_PROMPTS),
+            "template": "pair-v2",
             "max_retries": 2, "backoff_s": 0.01, "timeout_s": 5.0, "n_resamples": 200, **kw}
 
 
@@ -258,7 +259,7 @@ def test_mt_bench_first_turns_judged_from_generation_files(server, tmp_path):
                           tmp_path / "out", _settings(server.url, prompt_set="mt_bench", limit=3))
     assert summary["questions"] == 3 and summary["counts"]["win"] == 3 and summary["first_turn_only"]
     assert summary["models"] == {"a": "orpo", "b": "base"} and len(server.requests) == 6
-    assert all(qs[i].text in u for i, u in zip([0, 0, 1, 1, 2, 2], server.users()))
+    assert all(qs[i].text in u for i, u in zip([0, 0, 1, 1, 2, 2], server.users(), strict=True))
     assert [r["category"] for r in _rows(tmp_path / "out")][:2] == [qs[0].category] * 2
 
 

@@ -14,7 +14,7 @@ def test_tiny_mlx_judge_counts_unparseable_judgments_as_errors(tiny_base, tmp_pa
     qs = [Question("q0", "Tell me about the river."), Question("q1", "Write a short note about the apple.")]
     a = {q.text: "The river is long and calm." for q in qs}
     b = {q.text: "Apples are red." for q in qs}
-    settings = {"kind": "mlx", "model": str(tiny_base), "prompts_file": str(JUDGE_PROMPTS), "max_tokens": 12,
+    settings = {"kind": "mlx", "model": str(tiny_base), "max_tokens": 12,
                 "batch_size": 4, "max_parse_retries": 1, "n_resamples": 50}
     summary = judge_pairs(qs, a, b, tmp_path / "out", settings)
     rows = [json.loads(x) for x in (tmp_path / "out" / "verdicts.jsonl").read_text().splitlines()]

@@ -35,9 +35,9 @@ def read_pairs(out: Path) -> pl.DataFrame:
     return pl.concat(frames)
 
 
-def greedy(base: Path, prompts: list[list[dict]], adapter: Path | None = None) -> list[str]:
+def greedy(base: Path, prompts: list[list[dict]], adapter: Path | None = None, render: dict | None = None) -> list[str]:
     """An independent orpo.generation call with the stage's default generation settings."""
-    gen = load_generator(base, adapter)
+    gen = load_generator(base, adapter, render)
     texts, _ = generate_batched(gen, [gen.prompt_ids(p) for p in prompts], {**DEFAULTS, **GEN})
     return texts
 
@@ -125,6 +125,21 @@ def test_messages_prompt_response_and_curated_pair_forms(tiny_base, sft_rows, cu
     # The curated rows' old rejected answers and scores are not carried over: rejected is the model's answer.
     assert [by_id[i][4] for i in curated["id"]] == greedy(tiny_base, curated["prompt"].to_list())
     assert pairs["score_chosen"].null_count() == 7
+
+
+def test_prompts_render_with_the_render_stages_template(tiny_base, sft_rows, tmp_path):
+    chatml = json.loads((tiny_base / "tokenizer_config.json").read_text())["chat_template"]
+    override = tmp_path / "system.jinja"
+    override.write_text("{{ '<|im_start|>system\\nAnswer in one short sentence.<|im_end|>\\n' }}" + chatml)
+    render = {"template": str(override), "template_kwargs": {}}
+    src = write_jsonl(tmp_path / "sft.jsonl", sft_rows[:6])
+    m = spin_pairs([str(src)], tiny_base, None, tmp_path / "out", GEN, 1, render=render)
+    assert m["generator"]["template"]["source"] == f"{override} (override)"
+    prompts = [r["messages"][:-1] for r in sft_rows[:6]]
+    rejected = dict(read_pairs(tmp_path / "out").select("id", "rejected").rows())
+    with_override = dict(zip([r["id"] for r in sft_rows[:6]], greedy(tiny_base, prompts, render=render)))
+    assert rejected == {i: with_override[i] for i in rejected} and len(rejected) == 6
+    assert list(with_override.values()) != greedy(tiny_base, prompts)
 
 
 def test_every_drop_is_counted_with_examples(tiny_base, sft_rows, tmp_path):

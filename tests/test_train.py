@@ -1,7 +1,9 @@
 """The ORPO trainer on the tiny embedded stack: determinism, replay, resume, adapters mlx-lm loads, errors."""
 
+import io
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -14,8 +16,10 @@ from mlx_lm import load
 
 from orpo.batching import batch_schedule, pad_rows
 from orpo.io import sha256_file
-from orpo.train.checkpoint import read_index
-from orpo.train.trainer import TrainingError, replay, train
+from orpo.train.checkpoint import kept_steps, read_index
+from orpo.train.lora import load_adapter_weights
+from orpo.train.progress import Progress
+from orpo.train.trainer import DEFAULTS, TrainingError, build_session, replay, train
 
 from conftest import TINY_TRAIN
 
@@ -45,8 +49,12 @@ def test_run_folder_and_index(run):
     assert not (run.parent / "run.partial").exists()
 
 
-def test_same_settings_give_bit_identical_adapters(run, tiny_base, tiny_rendered, tmp_path):
+def test_same_settings_give_bit_identical_adapters(run, tiny_base, tiny_rendered, tmp_path, capsys):
     train(tiny_base, tiny_rendered, tmp_path / "again", TINY_TRAIN)
+    # Not a terminal: clean JSON lines, one per log step (4, 8, 12) plus baseline and validations.
+    lines = [json.loads(x) for x in capsys.readouterr().err.splitlines()]
+    assert [x["step"] for x in lines if "loss" in x] == [4, 8, 12]
+    assert [x["step"] for x in lines if "validation" in x] == [0, 4, 8, 12]
     assert sha256_file(tmp_path / "again" / "adapters.safetensors") == sha256_file(run / "adapters.safetensors")
     other = {**TINY_TRAIN, "seed": 1}
     train(tiny_base, tiny_rendered, tmp_path / "seed1", other)
@@ -72,13 +80,17 @@ def test_replay_detects_a_tampered_checkpoint(run, tiny_base, tiny_rendered, tmp
     assert not replay(copy, tiny_base, tiny_rendered, 8, "previous")["equal"]
 
 
-def test_adapter_loads_in_mlx_lm_and_changes_the_model(run, tiny_base):
+def test_adapter_loads_in_mlx_lm_and_changes_the_model(run, tiny_base, tiny_rendered):
     base_model, tok = load(str(tiny_base))
     tuned, _ = load(str(tiny_base), adapter_path=str(run))
     ids = mx.array([tok.encode("<|im_start|>user\nTell me about the cat.<|im_end|>\n<|im_start|>assistant\n")])
     a, b = base_model(ids), tuned(ids)
     assert a.shape == b.shape
     assert float(mx.abs(a - b).max()) > 1e-4
+    ours = build_session(tiny_base, tiny_rendered, TINY_TRAIN)  # our layer, eval mode: mlx-lm's logits
+    load_adapter_weights(ours.model, run)
+    ours.model.eval()
+    np.testing.assert_allclose(np.array(ours.model(ids)), np.array(b), rtol=1e-5, atol=1e-6)
 
 
 def test_killed_run_resumes_to_the_same_adapter(run, tiny_base, tiny_rendered, tmp_path):
@@ -135,3 +147,106 @@ def test_batch_schedule_is_seeded_complete_and_groups_lengths():
         return real / padded
 
     assert fill(a) > 0.9 > fill(batch_schedule(lengths, 8, 2, seed=3, window=1)) + 0.1
+
+
+# Every new knob away from its default at once: LoRA+, keyed dropout, accumulation, retention, warm start.
+SINK = {
+    **TINY_TRAIN, "batch_size": 2, "grad_accum": 2, "max_steps": 8, "checkpoint_every": 2, "keep_last": 2,
+    "seed": 3, "lambda": 0.2, "schedule": "linear", "warmup": 2, "grad_clip": 0.5, "weight_decay": 0.01,
+    "group_by_length": True, "lora": {"rank": 4, "alpha": 8, "dropout": 0.1, "plus_ratio": 4.0},
+}
+
+
+@pytest.fixture(scope="module")
+def sink(run, tiny_base, tiny_rendered, tmp_path_factory):
+    out = tmp_path_factory.mktemp("sink") / "run"
+    train(tiny_base, tiny_rendered, out, {**SINK, "init_adapter": str(run)})
+    return out
+
+
+def test_keep_last_prunes_folders_but_the_index_keeps_every_hash(sink):
+    index = read_index(sink)
+    assert sorted(map(int, index["checkpoints"])) == [2, 4, 6, 8]
+    best = {index["best_margin_step"], index["best_loss_step"]}
+    assert kept_steps(sink) == sorted({6, 8} | best)
+    assert set(kept_steps(sink)) < {2, 4, 6, 8}, "nothing was pruned: this test needs other settings"
+    for step in kept_steps(sink):
+        d = sink / "checkpoints" / f"step-{step:06d}"
+        assert sha256_file(d / "adapters.safetensors") == index["checkpoints"][str(step)]["sha256"]
+
+
+def test_a_pruned_step_replays_bit_exactly_from_the_nearest_kept_one(sink, tiny_base, tiny_rendered):
+    pruned = sorted({2, 4, 6, 8} - set(kept_steps(sink)))
+    for step in pruned:
+        record = replay(sink, tiny_base, tiny_rendered, step, "previous")
+        assert record["equal"], record
+        assert record["from_step"] == max([k for k in kept_steps(sink) if k < step], default=0)
+    assert replay(sink, tiny_base, tiny_rendered, "final", "zero")["equal"]
+
+
+def test_resume_is_bit_identical_with_every_knob_on(sink, tiny_base, tiny_rendered, tmp_path, capsys):
+    out = tmp_path / "run"
+    work = tmp_path / "run.partial"
+    shutil.copytree(sink, work)  # an interrupted run: the last checkpoint never got written
+    shutil.rmtree(work / "checkpoints" / "step-000008")
+    index = read_index(work)
+    del index["checkpoints"]["8"]
+    (work / "index.json").write_text(json.dumps(index))
+    (work / "adapters.safetensors").unlink()
+    train(tiny_base, tiny_rendered, out, json.loads((sink / "settings.json").read_text())["settings"])
+    assert '{"resumed_from_step": 6}' in capsys.readouterr().err
+    assert sha256_file(out / "adapters.safetensors") == sha256_file(sink / "adapters.safetensors")
+    assert read_index(out)["checkpoints"] == read_index(sink)["checkpoints"]
+    steps = [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [json.loads(x)["step"] for x in (sink / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_every_setting_reaches_settings_json_and_adapter_config(sink, run):
+    record = json.loads((sink / "settings.json").read_text())
+    config = json.loads((sink / "adapter_config.json").read_text())
+    s = record["settings"]
+    assert set(DEFAULTS) <= set(s) and set(DEFAULTS["lora"]) <= set(s["lora"])
+    assert config["orpo_train"] == s
+    for key, value in SINK.items():
+        assert s[key] == ({**DEFAULTS["lora"], **value} if key == "lora" else value), key
+    assert config["lora_parameters"] == {"rank": 4, "scale": 2.0, "dropout": 0.1,
+                                         "keys": config["lora_parameters"]["keys"]}
+    assert config["fine_tune_type"] == "lora" and config["num_layers"] == 2
+    assert record["init_adapter"]["sha256"] == sha256_file(run / "adapters.safetensors")
+
+
+def test_replay_refuses_a_changed_init_adapter(sink, tiny_base, tiny_rendered, tmp_path):
+    copy = tmp_path / "run"
+    shutil.copytree(sink, copy)
+    record = json.loads((copy / "settings.json").read_text())
+    record["init_adapter"]["sha256"] = "0" * 64
+    (copy / "settings.json").write_text(json.dumps(record))
+    with pytest.raises(ValueError, match="init_adapter .* changed since the run"):
+        replay(copy, tiny_base, tiny_rendered, "final", "previous")
+
+
+def _metrics(step):
+    return {"step": step, "loss": 1.5, "nll": 1.4, "or_loss": 0.7, "accuracy": 0.5, "margin": 0.1, "lr": 1e-3,
+            "tokens_per_s": 1234.5, "active_memory_mb": 12.5}
+
+
+def test_progress_is_json_lines_off_a_terminal_and_a_bar_on_one():
+    plain = io.StringIO()
+    p = Progress(total=10, start=0, log_every=4, stream=plain)
+    assert not p.tty
+    for step in range(1, 11):
+        p.step(_metrics(step))
+    p.event({"step": 10, "validation": {"loss": 1.0}})
+    p.close()
+    lines = [json.loads(x) for x in plain.getvalue().splitlines()]
+    assert [x["step"] for x in lines] == [4, 8, 10, 10] and lines[0]["tokens_per_s"] == 1234.5
+
+    term = io.StringIO()
+    bar = Progress(total=10, start=2, log_every=4, stream=term, tty=True)
+    for step in range(3, 11):
+        bar.step(_metrics(step))
+    bar.event({"resumed_from_step": 2})
+    bar.close()
+    out = term.getvalue()
+    assert "10/10" in out and "loss=1.5000" in out and "tok/s=1234" in out and "mem=12MB" in out
+    assert '{"resumed_from_step": 2}' in out and "\r" in out

@@ -56,17 +56,50 @@ def test_end_to_end_outputs(workflow_run):
     assert "orpo-base" in results["differences"]
     replay = json.loads((workflow_run / "results" / "train" / "replay.json").read_text())
     assert replay["equal"] and replay["expected_sha256"] == replay["replayed_sha256"]
-    gens = [json.loads(x) for x in (workflow_run / "results" / "generations" / "orpo.jsonl").read_text().splitlines()]
+    gens = [json.loads(x) for x in (workflow_run / "results" / "generations" / "ifeval" / "orpo.jsonl").read_text().splitlines()]
     assert len(gens) == 6 and all(g["adapter"] for g in gens)
     manifest = json.loads((workflow_run / "results" / "curated" / "manifest.json").read_text())
     dropped = sum(v["count"] for v in manifest["dropped"].values())
     assert manifest["input_rows"] == 120 == manifest["output_rows"]["total"] + dropped
-    for rule in ("data", "base", "curate", "render", "train", "replay", "generate_base", "generate_orpo", "ifeval"):
+    for rule in ("data", "base", "curate", "render", "train", "replay", "generate_base_ifeval", "generate_orpo_ifeval",
+                 "ifeval"):
         assert (workflow_run / "logs" / f"{rule}.log").exists(), rule
 
 
 def test_second_run_has_nothing_to_do(workflow_run):
     assert planned_rules(snakemake(workflow_run, "-n", "results/ifeval.json")) == set()
+
+
+def test_judge_rules_against_a_real_server(workflow_run):
+    from test_judge import JUDGE_PROMPTS, ScriptedJudgeServer
+
+    server = ScriptedJudgeServer()
+    try:
+        judge = {"kind": "openai", "model": "scripted-judge", "base_url": server.url, "limit": 4,
+                 "prompts_file": str(JUDGE_PROMPTS), "template": "pair-v2", "backoff_s": 0.01, "n_resamples": 100}
+        (workflow_run / "judge.yaml").write_text(yaml.safe_dump({**MICRO, "judge": judge}))
+        result = snakemake(workflow_run, "results/judge/summary.json", "--configfile", str(workflow_run / "judge.yaml"))
+        assert result.returncode == 0, result.stderr[-3000:]
+    finally:
+        server.close()
+    summary = json.loads((workflow_run / "results" / "judge" / "summary.json").read_text())
+    # The scripted judge prefers whichever answer sits in slot B: every question comes out inconsistent.
+    assert summary["counts"]["inconsistent"] == 4 and len(server.requests) == 8
+    verdicts = (workflow_run / "results" / "judge" / "verdicts.jsonl").read_text().splitlines()
+    assert len(verdicts) == 8
+
+
+def test_spin_iteration_runs_in_the_dag_and_its_pairs_train(workflow_run):
+    spin = {"limit": 24, "max_tokens": 24, "validation_fraction": 0.2}
+    (workflow_run / "spin.yaml").write_text(yaml.safe_dump({**MICRO, "spin": spin}))
+    result = snakemake(workflow_run, "results/spin/iter1/run", "--configfile", str(workflow_run / "spin.yaml"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    manifest = json.loads((workflow_run / "results" / "spin" / "iter1" / "pairs" / "manifest.json").read_text())
+    dropped = sum(v["count"] for v in manifest["dropped"].values())
+    assert manifest["iteration"] == 1 and manifest["output_rows"]["total"] > 0
+    assert manifest["input_rows"] == manifest["output_rows"]["total"] + dropped
+    index = json.loads((workflow_run / "results" / "spin" / "iter1" / "run" / "index.json").read_text())
+    assert index["final_step"] > 0 and index["checkpoints"]
 
 
 @pytest.mark.parametrize(

@@ -20,8 +20,7 @@ from orpo.curate.recipes import RECIPES
 from orpo.curate.schema import FieldError, Pair, detect_form, parse_binarized, parse_raw
 from orpo.curate.settings import resolve_settings
 from orpo.curate.tokens import TokenCounter
-from orpo.curate.write import split, write_parquet
-from orpo.io import atomic_path, write_json
+from orpo.curate.write import split, write_pairs
 
 
 def _parse(item: Item, recipe: str) -> tuple[str, Any]:
@@ -199,15 +198,5 @@ def curate(
     train, val = split(pairs, seed, s["validation_fraction"])
 
     manifest = _manifest(s, input_rows, len(train), len(val), drops, sources, forms, questions, counter, decon)
-    # Nothing disappears without a count.
-    accounted = manifest["output_rows"]["total"] + drops.total()
-    if input_rows != accounted:
-        raise AssertionError(f"curate: {input_rows} input rows but {accounted} outputs + drops")
-
-    # The folder is replaced as a whole, so a failed run never leaves a mix of old and new files.
-    with atomic_path(out_dir) as tmp:
-        tmp.mkdir()
-        write_parquet(tmp / "train.parquet", train)
-        write_parquet(tmp / "validation.parquet", val)
-        write_json(tmp / "manifest.json", manifest)
+    write_pairs(out_dir, "curate", train, val, manifest, input_rows, drops.total())
     return manifest

@@ -21,9 +21,10 @@ MAX_EXAMPLES = 5
 class Drops:
     """Counts and first examples of every drop reason."""
 
-    def __init__(self) -> None:
-        self.counts = {r: 0 for r in REASONS}
-        self.examples: dict[str, list[str]] = {r: [] for r in REASONS}
+    def __init__(self, reasons: tuple[str, ...] = REASONS) -> None:
+        self.reasons = reasons
+        self.counts = {r: 0 for r in reasons}
+        self.examples: dict[str, list[str]] = {r: [] for r in reasons}
 
     def add(self, reason: str, example: str) -> None:
         """Count one dropped row."""
@@ -37,4 +38,4 @@ class Drops:
 
     def to_manifest(self) -> dict:
         """{reason: {count, examples}} for every reason checked, zero counts included."""
-        return {r: {"count": self.counts[r], "examples": list(self.examples[r])} for r in REASONS}
+        return {r: {"count": self.counts[r], "examples": list(self.examples[r])} for r in self.reasons}

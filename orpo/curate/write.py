@@ -9,6 +9,7 @@ from pathlib import Path
 import polars as pl
 
 from orpo.curate.schema import Pair
+from orpo.io import atomic_path, write_json
 
 SCHEMA = {
     "id": pl.String,
@@ -64,3 +65,19 @@ def write_parquet(path: Path, pairs: list[Pair]) -> None:
     """Write pairs with fixed options (no statistics, fixed compression and row groups) so equal
     pairs give equal bytes; polars writes no timestamp."""
     to_frame(pairs).write_parquet(path, compression="zstd", compression_level=3, statistics=False, row_group_size=65536)
+
+
+def write_pairs(out_dir: str | Path, stage: str, train: list[Pair], validation: list[Pair], manifest: dict,
+                input_rows: int, dropped: int) -> None:
+    """Check that every input row is accounted for, then replace `out_dir` with the two splits and the manifest.
+
+    The folder is replaced as a whole, so a failed run never leaves a mix of old and new files.
+    """
+    accounted = len(train) + len(validation) + dropped
+    if input_rows != accounted:  # nothing disappears without a count
+        raise AssertionError(f"{stage}: {input_rows} input rows but {accounted} outputs + drops")
+    with atomic_path(out_dir) as tmp:
+        tmp.mkdir()
+        write_parquet(tmp / "train.parquet", train)
+        write_parquet(tmp / "validation.parquet", validation)
+        write_json(tmp / "manifest.json", manifest)

@@ -17,13 +17,13 @@ from orpo.curate import filters
 from orpo.curate.read import describe, iter_items
 from orpo.curate.schema import FieldError, Pair
 from orpo.curate.tokens import TokenCounter
-from orpo.curate.write import split, write_parquet
+from orpo.curate.write import split, write_pairs
 from orpo.generation import Generator, generate_batched, load_generator
-from orpo.io import atomic_path, sha256_file, write_json
+from orpo.io import sha256_file
 from orpo.render.template import resolve_model_dir
 from orpo.spin.drops import Drops
 from orpo.spin.schema import FORMS, parse_sft
-from orpo.spin.select import dedup, length_filter, seeded_subset
+from orpo.spin.selection import dedup, length_filter, seeded_subset
 from orpo.spin.settings import GENERATION_KEYS, resolve_settings
 
 
@@ -77,7 +77,7 @@ def _generator_record(gen: Generator, model: str, adapter: str | None) -> dict:
         "model": str(model),
         "adapter": str(adapter) if adapter else None,
         "adapter_sha256": sha256_file(adapter_file) if adapter_file and adapter_file.exists() else None,
-        "template": {"source": gen.chat.source, "sha256": gen.chat.sha256},
+        "template": {"source": gen.chat.source, "sha256": gen.chat.sha256, "kwargs": gen.template_kwargs},
     }
 
 
@@ -88,10 +88,14 @@ def spin_pairs(
     out_dir: str | Path,
     settings: Mapping[str, Any] | None,
     iteration: int,
-    template: str | Path | None = None,
+    render: Mapping[str, Any] | None = None,
 ) -> dict:
     """Write SPIN pairs (chosen = gold, rejected = the generator's answer) to out_dir/{train,validation}.parquet
-    + manifest.json; returns the manifest. Iteration k > 1 needs the adapter trained in iteration k - 1."""
+    + manifest.json; returns the manifest. Iteration k > 1 needs the adapter trained in iteration k - 1.
+
+    `render` is the render stage's settings (template override, template_kwargs): prompts are rendered for
+    generation exactly as render will render them for training.
+    """
     s = resolve_settings(settings)
     if isinstance(iteration, bool) or not isinstance(iteration, int) or iteration < 1:
         raise ValueError(f"spin: iteration must be an integer >= 1, got {iteration!r}")
@@ -105,7 +109,7 @@ def spin_pairs(
 
     drops = Drops()
     input_rows, rows, forms = read_sft(sft_inputs, s["on_error"], drops)
-    gen = load_generator(model, adapter, template)
+    gen = load_generator(model, adapter, dict(render or {}))
     # Token counts only where a limit asks for them; ids are rebuilt for the rows kept (a large SFT set's ids
     # would not fit in memory as Python lists).
     prompt_lens = [len(prompt_ids(gen, r)) for r in rows] if s["max_prompt_tokens"] else None
@@ -137,19 +141,10 @@ def spin_pairs(
         },
         "settings": s,
     }
-    # Nothing disappears without a count.
-    accounted = manifest["output_rows"]["total"] + drops.total()
-    if input_rows != accounted:
-        raise AssertionError(f"spin: {input_rows} input rows but {accounted} outputs + drops")
     if not train:
         # Fail here, naming why, rather than in train ("0 rows"); e.g. a collapsed generator gives only blanks.
         counts = {r: d["count"] for r, d in manifest["dropped"].items() if d["count"]}
         raise ValueError(f"spin: iteration {iteration} left no pairs from {input_rows} input rows; dropped: {counts}")
 
-    # The folder is replaced as a whole, so a failed run never leaves a mix of old and new files.
-    with atomic_path(out_dir) as tmp:
-        tmp.mkdir()
-        write_parquet(tmp / "train.parquet", train)
-        write_parquet(tmp / "validation.parquet", val)
-        write_json(tmp / "manifest.json", manifest)
+    write_pairs(out_dir, "spin", train, val, manifest, input_rows, drops.total())
     return manifest

@@ -20,12 +20,7 @@ __all__ = ["MAX_EXAMPLES", "REASONS", "Drops"]
 
 
 class Drops(_CurateDrops):
-    """curate's tally over SPIN's reasons (curate's Drops fixes its reason list; see the report's proposal)."""
+    """curate's tally over SPIN's reasons."""
 
     def __init__(self) -> None:
-        self.counts = {r: 0 for r in REASONS}
-        self.examples: dict[str, list[str]] = {r: [] for r in REASONS}
-
-    def to_manifest(self) -> dict:
-        """{reason: {count, examples}} for every reason checked, zero counts included."""
-        return {r: {"count": self.counts[r], "examples": list(self.examples[r])} for r in REASONS}
+        super().__init__(REASONS)

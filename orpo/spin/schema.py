@@ -2,10 +2,10 @@
 
 - messages: `messages` is a conversation ending in the assistant turn (the gold answer); every turn
   before it is the prompt.
-- prompt_response: `prompt` (a string: one user turn; or a message list) and `response` (the gold).
 - pairs: curated or binarized preference rows (`prompt`, `chosen`, `rejected`); `chosen` is the gold,
-  `rejected` is ignored. This is how the curate stage's train split becomes an SFT set.
-Checked in that order by key. `rejected` of the parsed Pair is empty until generation fills it.
+  `rejected` and the scores are ignored. This is how the curate stage's train split becomes an SFT set.
+- prompt_response: `prompt` (a string: one user turn; or a message list) and `response` (the gold).
+Recognised by key, in that order. `rejected` of the parsed Pair is empty until generation fills it.
 """
 
 from __future__ import annotations

@@ -64,7 +64,8 @@ class Session:
 
     def step(self, step: int) -> dict[str, float]:
         """Run optimizer step `step` (1-based) and return its metrics as floats."""
-        self.model.train()
+        if not self.model.training:  # evaluate() leaves it in eval mode (no dropout)
+            self.model.train()
         parts = self.micro_batches(step)
         tokens = 0
 
@@ -110,7 +111,7 @@ class Session:
         return {k: round(v.item(), 6) for k, v in metrics.items()}
 
 
-def pair_loss(model: nn.Module, tokens: mx.array, mask: mx.array, n: int, lam: float):
+def pair_loss(model: nn.Module, tokens: mx.array, mask: mx.array, n: int, lam: float) -> tuple[mx.array, dict[str, mx.array]]:
     """ORPO loss and metrics of a [chosen; rejected] batch of n pairs (the naive head)."""
     logps = response_mean_logps(model, tokens, mask)
     return orpo_loss(logps[:n], logps[n:], lam)

@@ -10,5 +10,7 @@ rule base:
     threads: workflow.cores
     log:
         "logs/base.log",
+    benchmark:
+        "benchmarks/base.tsv"
     shell:
         "orpo base --raw {input.raw} --out {output} --settings {params.settings:q} > {log} 2>&1"

@@ -12,6 +12,8 @@ rule curate:
         code=CODE["curate"],
     log:
         "logs/curate.log",
+    benchmark:
+        "benchmarks/curate.tsv"
     shell:
         "orpo curate --inputs {input.raw} --out {output} --tokenizer-from {params.model} "
         "--eval-prompts {input.eval_prompts} --settings {params.settings:q} > {log} 2>&1"

@@ -6,5 +6,7 @@ rule data:
         code=CODE["data"],
     log:
         "logs/data.log",
+    benchmark:
+        "benchmarks/data.tsv"
     shell:
         "orpo data rows --out {output} --settings {params.settings:q} > {log} 2>&1"

@@ -1,19 +1,26 @@
-# The base model and the trained adapter answer the same eval prompts with the same settings.
+# The base model and the trained adapter answer the same prompts with the same settings. {set} is the
+# prompt set: ifeval (the eval prompts) or judge (the judge's questions).
+wildcard_constraints:
+    set="ifeval|judge",
+
+
 rule generate_base:
     input:
         model=model_input(),
-        prompts=config["eval"]["prompts"],
+        prompts=lambda wc: prompt_set_file(wc.set),
     output:
-        "results/generations/base.jsonl",
+        "results/generations/{set}/base.jsonl",
     params:
         model=model_ref(),
         settings=settings("generate"),
         render=prompt_rendering(),
-        limit=config["eval"]["limit"],
+        limit=lambda wc: prompt_set_limit(wc.set),
         code=CODE["generate"],
     threads: workflow.cores
     log:
-        "logs/generate_base.log",
+        "logs/generate_base_{set}.log",
+    benchmark:
+        "benchmarks/generate_base_{set}.tsv"
     shell:
         "orpo generate --model {params.model} --prompts {input.prompts} --label base --limit {params.limit} "
         "--render-settings {params.render:q} --out {output} --settings {params.settings:q} > {log} 2>&1"
@@ -22,21 +29,23 @@ rule generate_base:
 rule generate_orpo:
     input:
         model=model_input(),
-        prompts=config["eval"]["prompts"],
+        prompts=lambda wc: prompt_set_file(wc.set),
         run="results/train/run",
         replay="results/train/replay.json",
     output:
-        "results/generations/orpo.jsonl",
+        "results/generations/{set}/orpo.jsonl",
     params:
         model=model_ref(),
         settings=settings("generate"),
         render=prompt_rendering(),
-        limit=config["eval"]["limit"],
+        limit=lambda wc: prompt_set_limit(wc.set),
         checkpoint=config["generate"]["adapter"],
         code=CODE["generate"],
     threads: workflow.cores
     log:
-        "logs/generate_orpo.log",
+        "logs/generate_orpo_{set}.log",
+    benchmark:
+        "benchmarks/generate_orpo_{set}.tsv"
     shell:
         "orpo generate --model {params.model} --adapter {input.run} --checkpoint {params.checkpoint} "
         "--prompts {input.prompts} --label orpo --limit {params.limit} "

@@ -1,8 +1,8 @@
 rule ifeval:
     input:
         prompts=config["eval"]["prompts"],
-        base="results/generations/base.jsonl",
-        orpo="results/generations/orpo.jsonl",
+        base="results/generations/ifeval/base.jsonl",
+        orpo="results/generations/ifeval/orpo.jsonl",
     output:
         summary="results/ifeval.json",
         details=directory("results/ifeval"),
@@ -11,6 +11,8 @@ rule ifeval:
         code=CODE["ifeval"],
     log:
         "logs/ifeval.log",
+    benchmark:
+        "benchmarks/ifeval.tsv"
     shell:
         "orpo ifeval compare --inputs {input.prompts} --generations base={input.base} orpo={input.orpo} "
         "--limit {params.limit} --out {output.summary} --details {output.details} > {log} 2>&1"

@@ -10,6 +10,8 @@ rule render:
         code=CODE["render"],
     log:
         "logs/render.log",
+    benchmark:
+        "benchmarks/render.tsv"
     shell:
         "orpo render --model {params.model} --curated {input.curated} --out {output} "
         "--settings {params.settings:q} > {log} 2>&1"

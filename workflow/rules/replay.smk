@@ -14,6 +14,8 @@ rule replay:
     threads: workflow.cores
     log:
         "logs/replay.log",
+    benchmark:
+        "benchmarks/replay.tsv"
     shell:
         "orpo replay --run {input.run} --model {params.model} --rendered {input.rendered} "
         "--checkpoint {params.checkpoint} --from {params.start} --out {output} > {log} 2>&1"

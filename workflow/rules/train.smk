@@ -2,6 +2,7 @@ rule train:
     input:
         rendered="results/rendered",
         model=model_input(),
+        init_adapter=[config["train"]["init_adapter"]] if config["train"]["init_adapter"] else [],
     output:
         directory("results/train/run"),
     params:
@@ -11,6 +12,8 @@ rule train:
     threads: workflow.cores
     log:
         "logs/train.log",
+    benchmark:
+        "benchmarks/train.tsv"
     shell:
         "orpo train --model {params.model} --rendered {input.rendered} --out {output} "
         "--settings {params.settings:q} > {log} 2>&1"

@@ -103,10 +103,12 @@ def _check(questions: list[Question], answers_a: dict[str, str], answers_b: dict
            labels: tuple[str, str]) -> None:
     if not questions:
         raise ValueError("judge: no questions")
+    if labels[0] == labels[1]:
+        raise ValueError(f"judge: both models are labelled {labels[0]!r}")
     ids = [q.id for q in questions]
     if len(set(ids)) != len(ids):
         raise ValueError("judge: question ids are not unique")
-    for label, answers in zip(labels, (answers_a, answers_b)):
+    for label, answers in zip(labels, (answers_a, answers_b), strict=True):
         missing = [q.id for q in questions if q.text not in answers]
         if missing:
             raise ValueError(f"judge: model {label!r} has no answer to {len(missing)} of {len(questions)} questions "
@@ -119,7 +121,7 @@ def _items(questions: list[Question], answers_a: dict[str, str], answers_b: dict
     items = []
     for q in questions:
         a, b = answers_a[q.text], answers_b[q.text]
-        for order, (in_a, in_b) in zip(ORDERS, ((a, b), (b, a))):
+        for order, (in_a, in_b) in zip(ORDERS, ((a, b), (b, a)), strict=True):
             key = cache_key(identity, template, q.text, in_a, in_b, order)
             items.append(_Item(q, order, prompt.messages(q.text, in_a, in_b), key))
     return items
@@ -153,12 +155,12 @@ def _rows(items: list[_Item], cache: VerdictCache, labels: tuple[str, str]) -> t
     """Verdict rows (question order, then ab, ba) and each question's outcome for model a."""
     name = {"a": labels[0], "b": labels[1]}
     rows, outcomes = [], []
-    for first, second in zip(items[::2], items[1::2]):
+    for first, second in zip(items[::2], items[1::2], strict=True):
         recs = [cache[first.key], cache[second.key]]
-        winners = [winner(r["verdict"], it.order) for r, it in zip(recs, (first, second))]
+        winners = [winner(r["verdict"], it.order) for r, it in zip(recs, (first, second), strict=True)]
         result = outcome(*winners)
         outcomes.append(result)
-        for it, rec, w in zip((first, second), recs, winners):
+        for it, rec, w in zip((first, second), recs, winners, strict=True):
             slot_a, slot_b = ("a", "b") if it.order == "ab" else ("b", "a")
             row = {"question_id": it.question.id, "order": it.order, "assistant_a": name[slot_a],
                    "assistant_b": name[slot_b], "verdict": rec["verdict"], "winner": name.get(w, w),

@@ -39,6 +39,8 @@ def validation_questions(path: str | Path) -> tuple[list[Question], dict[str, An
     """
     import polars as pl
 
+    if Path(path).is_dir():  # the curate stage's output folder
+        path = Path(path) / "validation.parquet"
     rows = pl.read_parquet(path, columns=["id", "prompt"]).to_dicts()
     out, skipped = [], []
     for row in rows:

@@ -5,28 +5,11 @@ from __future__ import annotations
 import os
 from typing import Any
 
-# Until the config schema carries a `judge` section, these are the defaults (and its proposed text).
-DEFAULTS: dict[str, Any] = {
-    "kind": "openai",            # mlx: a local MLX model in-process; openai: an OpenAI-compatible server
-    "model": None,               # mlx: model folder or hub id; openai: the model name the server expects
-    "base_url": "http://127.0.0.1:8080/v1",  # openai: server root holding /chat/completions (mlx_lm.server's default)
-    "api_key_env": None,         # openai: NAME of the environment variable holding the API key (none: no auth header)
-    "prompts_file": None,        # FastChat-format judge_prompts.jsonl holding the template
-    "template": "pair-v2",       # the pairwise template's name in prompts_file (MT-Bench's general pairwise prompt)
-    "max_tokens": 2048,          # longest judgment in tokens (FastChat: 2048 for GPT-4)
-    "temperature": 0.0,          # 0 = greedy, as MT-Bench judges
-    "seed": 0,                   # judge sampling seed (temperature > 0) and bootstrap seed
-    "timeout_s": 120.0,          # openai: per-request timeout
-    "max_retries": 5,            # openai: retries on connection errors, timeouts, HTTP 5xx and 429
-    "backoff_s": 1.0,            # openai: first retry wait; doubles each retry (capped at 60 s)
-    "concurrency": 1,            # openai: requests in flight at once
-    "batch_size": 8,             # mlx: judge prompts decoded together
-    "max_parse_retries": 2,      # asks again when a judgment has no [[A]]/[[B]]/[[C]]; then it is an error
-    "n_resamples": 1000,         # bootstrap resamples over questions
-    "prompt_set": "validation",  # validation (curated validation.parquet) or mt_bench (question.jsonl, first turn)
-    "limit": 0,                  # judge only the first N questions (0 = all)
-    "cache": None,               # verdict cache (append-only jsonl); none = OUT/cache.jsonl
-}
+from orpo.config import PROJECT_ROOT, section_defaults
+
+# The schema is the single source of the defaults; prompts_file null means the project's own prompt.
+DEFAULTS: dict[str, Any] = section_defaults("judge")
+PROJECT_PROMPTS = PROJECT_ROOT / "data" / "judge" / "pairwise.jsonl"
 
 KINDS = ("mlx", "openai")
 PROMPT_SETS = ("validation", "mt_bench")
@@ -38,6 +21,7 @@ def resolve_settings(settings: dict[str, Any]) -> dict[str, Any]:
     if unknown:
         raise ValueError(f"judge settings: unknown key {', '.join(unknown)} (allowed: {', '.join(sorted(DEFAULTS))})")
     s = {**DEFAULTS, **settings}
+    s["prompts_file"] = s["prompts_file"] or str(PROJECT_PROMPTS)
     if s["kind"] not in KINDS:
         raise ValueError(f"judge settings: kind must be one of {', '.join(KINDS)}, got {s['kind']!r}")
     if s["prompt_set"] not in PROMPT_SETS:

@@ -2,9 +2,15 @@
 
 from pathlib import Path
 
+import mlx.core as mx
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+
+# MLX on CUDA computes float32 matmuls in TF32 (measured on the H200: 2.6e-4 relative error against
+# float64), so two float32 orders of the same sum agree less closely there than on the CPU.
+ON_GPU = mx.default_device().type == mx.DeviceType.gpu
+MATMUL_TOL = 1e-3 if ON_GPU else 1e-6
 SHARED = ROOT.parent / "shared"
 
 # Small enough to build in seconds on 2 CPU cores, big enough to learn something.

@@ -48,13 +48,21 @@ def load_generator(
     return Generator(net, wrapper, chat, load_tokenizer(model_dir), dict(render.get("template_kwargs") or {}))
 
 
+def truncate_at_stop(text: str, stops: list[str]) -> str:
+    """`text` up to (not including) the earliest occurrence of any stop string."""
+    cut = min((i for i in (text.find(x) for x in stops) if i >= 0), default=len(text))
+    return text[:cut]
+
+
 def generate_batched(
     gen: Generator, prompts: list[list[int]], settings: dict[str, Any],
     progress: Callable[[int, int], None] | None = None,
 ) -> tuple[list[str], dict[str, Any]]:
     """One response per prompt (token ids), in input order; greedy at temperature 0, else seeded sampling.
 
-    Prompts of similar length decode together (less padding); the output keeps the input order.
+    Prompts of similar length decode together (less padding); the output keeps the input order. Decoding
+    stops at the tokenizer's end-of-turn tokens; `settings["stop"]` strings cut the text afterwards, which
+    is exact whatever the tokenization around them (the token counts include what was cut).
     """
     mx.random.seed(settings["seed"])
     sampler = make_sampler(temp=settings["temperature"], top_p=settings["top_p"])
@@ -71,5 +79,8 @@ def generate_batched(
         if progress:
             progress(min(start + len(chunk), len(order)), len(order))
     seconds = time.time() - t0
+    stops = [x for x in settings.get("stop") or [] if x]
+    if stops:
+        texts = [truncate_at_stop(t, stops) for t in texts]
     return texts, {"prompts": len(prompts), "generated_tokens": tokens, "seconds": round(seconds, 1),
                    "tokens_per_s": round(tokens / max(seconds, 1e-9), 1)}

@@ -29,3 +29,16 @@ def test_batched_greedy_equals_single_prompt_greedy(tiny_base, tmp_path):
     for p, r in zip(prompts, rows):
         ids = encode_generation_prompt(chat, bare, [{"role": "user", "content": p["prompt"]}])
         assert mlx_generate(model, tok, ids, max_tokens=24) == r["response"]
+
+
+def test_stop_strings_cut_the_response_exactly(tiny_base, tmp_path):
+    src = tmp_path / "prompts.jsonl"
+    src.write_text(json.dumps({"key": 1, "prompt": "Tell me about the dog."}) + "\n")
+    plain = generate(tiny_base, src, tmp_path / "a.jsonl", {"max_tokens": 24}, label="base")
+    full = json.loads((tmp_path / "a.jsonl").read_text())["response"]
+    words = full.split()
+    assert plain["prompts"] == 1 and len(words) >= 3
+    stop = " " + words[2]
+    generate(tiny_base, src, tmp_path / "b.jsonl", {"max_tokens": 24, "stop": ["never appears", stop]}, label="base")
+    cut = json.loads((tmp_path / "b.jsonl").read_text())["response"]
+    assert cut == full[: full.index(stop)] and stop not in cut

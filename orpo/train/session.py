@@ -33,9 +33,10 @@ class TrainingError(RuntimeError):
 
 
 def resolve_settings(settings: dict[str, Any]) -> dict[str, Any]:
-    """Defaults overlaid with the given settings (one level deep for `lora`)."""
+    """Defaults overlaid with the given settings (one level deep for the nested sections)."""
     s = {**DEFAULTS, **settings}
-    s["lora"] = {**DEFAULTS["lora"], **settings.get("lora", {})}
+    for section in ("lora", "engine"):
+        s[section] = {**DEFAULTS[section], **settings.get(section, {})}
     return s
 
 

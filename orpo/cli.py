@@ -62,17 +62,29 @@ def cmd_render(a: argparse.Namespace) -> Any:
 
 
 def cmd_train(a: argparse.Namespace) -> Any:
+    from orpo.train.launch import distributed_settings, launch, needs_launch
+
+    dist = distributed_settings(a.settings)
+    if needs_launch(dist):  # train.distributed.processes > 1: this same command as N ranks
+        raise SystemExit(launch(a.argv, dist, Path(a.out) / "adapters.safetensors"))
     from orpo.train.trainer import train
 
     index = train(a.model, a.rendered, a.out, a.settings)
-    return {k: v for k, v in index.items() if k != "checkpoints"}
+    return None if index is None else {k: v for k, v in index.items() if k != "checkpoints"}
 
 
 def cmd_replay(a: argparse.Namespace) -> Any:
     from orpo.io import write_json
+    from orpo.train.launch import distributed_settings, launch, needs_launch
+
+    dist = distributed_settings(json.loads((Path(a.run) / "settings.json").read_text())["settings"])
+    if needs_launch(dist):  # a run of N processes replays on N ranks, bit for bit
+        raise SystemExit(launch(a.argv, dist, Path(a.out)))
     from orpo.train.trainer import replay
 
     record = replay(a.run, a.model, a.rendered, a.checkpoint, a.start)
+    if record is None:  # a rank other than 0: rank 0 reports
+        return None
     if not record["equal"]:
         write_json(Path(a.out).with_suffix(".mismatch.json"), record)
         raise SystemExit(f"orpo replay: step {record['step']} replayed to {record['replayed_sha256']}, "
@@ -105,10 +117,20 @@ def cmd_ifeval_compare(a: argparse.Namespace) -> Any:
 
 
 def cmd_ifeval_score(a: argparse.Namespace) -> Any:
-    from orpo.eval.ifeval.score import score_files
+    from orpo.eval.ifeval.score import read_responses, score_to_dir
+    from orpo.eval.ifeval.source import load_inputs
 
-    s = score_files(a.inputs, a.responses, a.out)
+    s = score_to_dir(load_inputs(a.inputs), read_responses(a.responses), a.out)[2]
     return {k: v for k, v in s.items() if k.endswith("_acc") or k in ("prompts", "instructions")}
+
+
+SOURCE_HELP = "a jsonl, an HF-style dataset folder or hub:OWNER/NAME[@REVISION][:SPLIT]"
+
+
+def cmd_ifeval_prompts(a: argparse.Namespace) -> Any:
+    from orpo.eval.ifeval.source import write_inputs
+
+    return write_inputs(a.source, a.out)
 
 
 def cmd_spin(a: argparse.Namespace) -> Any:
@@ -123,6 +145,12 @@ def cmd_judge_run(a: argparse.Namespace) -> Any:
     r = judge_files(a.questions, a.a, a.b, a.out, a.settings)
     keys = ("questions", "judged", "counts", "win_rate", "adjusted_win_rate", "judged_now", "from_cache")
     return {k: r[k] for k in keys if k in r}
+
+
+def cmd_judge_questions(a: argparse.Namespace) -> Any:
+    from orpo.eval.judge.questions import write_mt_bench
+
+    return write_mt_bench(a.source, a.out)
 
 
 def cmd_judge_prompts(a: argparse.Namespace) -> Any:
@@ -148,6 +176,29 @@ def cmd_env(a: argparse.Namespace) -> Any:
             versions[dist] = None
     return {"python": sys.version.split()[0], "versions": versions, "device": str(mx.default_device()),
             "blas_loaded": blas}
+
+
+def cmd_report_plots(a: argparse.Namespace) -> Any:
+    from orpo.report.plots import write_plots
+
+    return write_plots(a.run, a.ifeval, a.curated, a.rendered, dict(a.benchmarks), a.out)
+
+
+def cmd_report_judge(a: argparse.Namespace) -> Any:
+    from orpo.report.plots import write_judge
+
+    return write_judge(a.summary, a.out)
+
+
+def cmd_report_paper(a: argparse.Namespace) -> Any:
+    from orpo.io import write_text
+    from orpo.report import tables
+    from orpo.report.sources import read_json
+
+    results = {label: read_json(path) for label, path in a.results}
+    table = tables.paper_table if a.action == "paper-table" else tables.paper_judge_table
+    write_text(a.out, table(a.spec, results))
+    return {"out": a.out, "models": [m["label"] for m in a.spec["models"]]}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -191,7 +242,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rendered", required=True)
     p.add_argument("--out", required=True)
 
-    p = stage("replay", cmd_replay, "replay a checkpoint and verify its hash", settings=False)
+    p = stage("replay", cmd_replay, "replay a checkpoint and verify its hash (a run of N processes replays on N ranks, "
+              "bit for bit)", settings=False)
     p.add_argument("--run", required=True)
     p.add_argument("--model", required=True)
     p.add_argument("--rendered", required=True)
@@ -231,15 +283,20 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--limit", type=int, default=0)
     q = isub.add_parser("score", help="score a responses file (IFEval reference formats)")
     q.set_defaults(fn=cmd_ifeval_score)
-    q.add_argument("--inputs", required=True)
+    q.add_argument("--inputs", required=True, help=SOURCE_HELP)
     q.add_argument("--responses", required=True)
+    q.add_argument("--out", required=True)
+    q = isub.add_parser("prompts", help="IFEval prompts from a dataset folder or hub id, as an input-format jsonl")
+    q.set_defaults(fn=cmd_ifeval_prompts)
+    q.add_argument("--source", required=True, help=SOURCE_HELP)
     q.add_argument("--out", required=True)
 
     p = sub.add_parser("judge", help="pairwise LLM judge (MT-Bench's protocol)")
     jsub = p.add_subparsers(dest="action", required=True)
     q = jsub.add_parser("run", help="judge model A against model B on the same questions, in both orders")
     q.set_defaults(fn=cmd_judge_run)
-    q.add_argument("--questions", required=True, help="curated folder / validation.parquet, or MT-Bench question.jsonl")
+    q.add_argument("--questions", required=True,
+                   help="curated folder / validation.parquet, or MT-Bench questions: " + SOURCE_HELP)
     q.add_argument("--a", type=_labelled, required=True, help="LABEL=generations.jsonl of the model whose win rate is reported")
     q.add_argument("--b", type=_labelled, required=True, help="LABEL=generations.jsonl of the reference model")
     q.add_argument("--out", required=True, help="folder for verdicts.jsonl, summary.json (and cache.jsonl by default)")
@@ -250,6 +307,32 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--questions", required=True)
     q.add_argument("--limit", type=int, default=0)
     q.add_argument("--out", required=True)
+    q = jsub.add_parser("questions", help="MT-Bench questions from a dataset folder or hub id, as FastChat's jsonl")
+    q.set_defaults(fn=cmd_judge_questions)
+    q.add_argument("--source", required=True, help=SOURCE_HELP)
+    q.add_argument("--out", required=True)
+    p = sub.add_parser("report", help="figures and tables from the pipeline's artifacts")
+    rsub = p.add_subparsers(dest="action", required=True)
+    q = rsub.add_parser("plots", help="training curves, IFEval by instruction type, manifests, benchmarks (PNG + HTML)")
+    q.set_defaults(fn=cmd_report_plots)
+    q.add_argument("--run", required=True, help="a training run folder (metrics.jsonl, index.json)")
+    q.add_argument("--ifeval", required=True, help="the ifeval stage's summary json")
+    q.add_argument("--curated", required=True)
+    q.add_argument("--rendered", required=True)
+    q.add_argument("--benchmarks", nargs="*", type=_labelled, default=[], help="RULE=benchmark.tsv (missing files skipped)")
+    q.add_argument("--out", required=True, help="folder for the figures and tables")
+    q = rsub.add_parser("judge", help="judge win-rate figure and table")
+    q.set_defaults(fn=cmd_report_judge)
+    q.add_argument("--summary", required=True, help="the judge stage's summary.json")
+    q.add_argument("--out", required=True)
+    for action, what in (("paper-table", "IFEval table in the paper's layout, published numbers beside ours"),
+                         ("paper-judge", "judge win-rate table of the paper's models")):
+        q = rsub.add_parser(action, help=what)
+        q.set_defaults(fn=cmd_report_paper)
+        q.add_argument("--spec", type=_settings, required=True, help="the config's paper section as JSON or @file")
+        q.add_argument("--results", nargs="+", type=_labelled, required=True,
+                       help="EXPERIMENT=ifeval.json (paper-table) or EXPERIMENT=judge/summary.json (paper-judge)")
+        q.add_argument("--out", required=True)
     return ap
 
 
@@ -258,6 +341,7 @@ def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     reexec_with_openblas(argv)
     args = build_parser().parse_args(argv)
+    args.argv = argv  # what a distributed launch re-runs as each rank
     try:
         result = args.fn(args)
     except (ValueError, OSError, KeyError, RuntimeError) as e:

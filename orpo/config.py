@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import functools
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +15,15 @@ import yaml
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 SCHEMA_PATH = PROJECT_ROOT / "workflow" / "schemas" / "config.schema.yaml"
 EMBEDDED_EVAL_PROMPTS = PROJECT_ROOT / "data" / "eval" / "ifeval_prompts.jsonl"
+
+
+_HUB_DATASET = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+(:[\w.-]+)?$")
+
+
+def _is_hub_dataset(value: str, base: Path) -> bool:
+    """owner/name[:split] that is no local path and no data file name: curate loads it from the hub."""
+    return (not (base / value).exists() and not value.endswith((".jsonl", ".json", ".parquet"))
+            and bool(_HUB_DATASET.match(value)))
 
 
 class ConfigError(ValueError):
@@ -82,16 +92,20 @@ def validate_config(config: dict[str, Any], base_dir: str | os.PathLike | None =
             raise ConfigError(f"config error: {key}: {value} has no {need} (expected an HF-style model folder)")
         return str(p)
 
+    def source(key: str, value: str | None) -> str | None:  # eval prompt sets: a hub id is checked when loaded
+        return value if value and value.startswith("hub:") else existing(key, value)
+
     model = config["model"]
     if model["path"] and model["hub_id"]:
         raise ConfigError("config error: model.path and model.hub_id are both set; give one")
     model["path"] = existing("model.path", model["path"], need="config.json")
-    config["data"]["raw"] = existing("data.raw", config["data"]["raw"])
-    config["eval"]["prompts"] = existing("eval.prompts", config["eval"]["prompts"]) or str(EMBEDDED_EVAL_PROMPTS)
+    raw = config["data"]["raw"]  # a path, or a hub id (owner/name[:split]) that curate loads
+    config["data"]["raw"] = raw if raw and _is_hub_dataset(raw, base) else existing("data.raw", raw)
+    config["eval"]["prompts"] = source("eval.prompts", config["eval"]["prompts"]) or str(EMBEDDED_EVAL_PROMPTS)
     config["curate"]["truthfulqa_questions"] = existing("curate.truthfulqa_questions", config["curate"]["truthfulqa_questions"])
     config["render"]["template"] = existing("render.template", config["render"]["template"])
     config["judge"]["prompts_file"] = existing("judge.prompts_file", config["judge"]["prompts_file"])
-    config["judge"]["questions"] = existing("judge.questions", config["judge"]["questions"])
+    config["judge"]["questions"] = source("judge.questions", config["judge"]["questions"])
     if config["judge"]["prompt_set"] == "mt_bench" and not config["judge"]["questions"]:
         raise ConfigError("config error: judge.questions: needed with judge.prompt_set mt_bench (MT-Bench's question.jsonl)")
     config["train"]["init_adapter"] = existing("train.init_adapter", config["train"]["init_adapter"])

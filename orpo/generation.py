@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, TextIO
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -14,6 +15,7 @@ from mlx_lm.generate import batch_generate
 from mlx_lm.sample_utils import make_sampler
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 from tokenizers import Tokenizer
+from tqdm import tqdm
 
 from orpo.render.template import ChatTemplate, encode_generation_prompt, load_template, load_tokenizer, resolve_model_dir
 
@@ -54,30 +56,80 @@ def truncate_at_stop(text: str, stops: list[str]) -> str:
     return text[:cut]
 
 
+class GenerationProgress:
+    """Prompts done of total and tokens/s: a tqdm bar on a terminal, else a line per ~10% (Snakemake logs)."""
+
+    def __init__(self, total: int, label: str = "generate", stream: TextIO | None = None, tty: bool | None = None,
+                 clock: Callable[[], float] = time.perf_counter):
+        self.stream = stream if stream is not None else sys.stderr
+        self.tty = bool(getattr(self.stream, "isatty", lambda: False)()) if tty is None else tty
+        self.total, self.label, self.clock = total, label, clock
+        self.done = self.tokens = 0
+        self.start = clock()
+        self.next_tenth = 1  # the next 10% mark that earns a log line
+        self.bar = (tqdm(total=total, desc=label, unit="prompt", file=self.stream, dynamic_ncols=True, smoothing=0.3)
+                    if self.tty else None)
+
+    def tokens_per_s(self) -> float:
+        """Generated tokens per second of wall time so far."""
+        return self.tokens / max(self.clock() - self.start, 1e-9)
+
+    def update(self, prompts: int, tokens: int) -> None:
+        """Record a finished batch: how many prompts it answered and how many tokens it generated."""
+        self.done += prompts
+        self.tokens += tokens
+        if self.bar is not None:
+            self.bar.set_postfix_str(f"{self.tokens_per_s():.1f} tok/s", refresh=False)
+            self.bar.update(prompts)
+            return
+        tenth = self.done * 10 // max(self.total, 1)
+        if tenth >= self.next_tenth or self.done == self.total:
+            self.next_tenth = tenth + 1
+            elapsed = self.clock() - self.start
+            percent = 100 * self.done // max(self.total, 1)
+            print(f"{self.label}: {self.done}/{self.total} prompts ({percent}%), {self.tokens} tokens, "
+                  f"{self.tokens_per_s():.1f} tok/s, {elapsed:.1f} s", file=self.stream, flush=True)
+
+    def close(self) -> None:
+        """Finish the bar (nothing to do for log lines)."""
+        if self.bar is not None:
+            self.bar.close()
+
+
 def generate_batched(
     gen: Generator, prompts: list[list[int]], settings: dict[str, Any],
-    progress: Callable[[int, int], None] | None = None,
+    progress: Callable[[int, int], None] | None = None, label: str = "generate",
 ) -> tuple[list[str], dict[str, Any]]:
     """One response per prompt (token ids), in input order; greedy at temperature 0, else seeded sampling.
 
     Prompts of similar length decode together (less padding); the output keeps the input order. Decoding
     stops at the tokenizer's end-of-turn tokens; `settings["stop"]` strings cut the text afterwards, which
-    is exact whatever the tokenization around them (the token counts include what was cut).
+    is exact whatever the tokenization around them (the token counts include what was cut). Progress goes
+    to stderr as a GenerationProgress named `label`, or, when given, to the `progress(done, total)` callback.
     """
     mx.random.seed(settings["seed"])
     sampler = make_sampler(temp=settings["temperature"], top_p=settings["top_p"])
     order = sorted(range(len(prompts)), key=lambda i: (len(prompts[i]), i))
     texts: list[str] = [""] * len(prompts)
+    bar = None if progress else GenerationProgress(len(prompts), label)
     t0, tokens = time.time(), 0
-    for start in range(0, len(order), settings["batch_size"]):
-        chunk = order[start : start + settings["batch_size"]]
-        out = batch_generate(gen.model, gen.wrapper, [prompts[i] for i in chunk], max_tokens=settings["max_tokens"],
-                             sampler=sampler, return_token_ids=True)
-        for i, text, ids in zip(chunk, out.texts, out.token_ids):
-            texts[i] = text
-            tokens += len(ids)
-        if progress:
-            progress(min(start + len(chunk), len(order)), len(order))
+    try:
+        for start in range(0, len(order), settings["batch_size"]):
+            chunk = order[start : start + settings["batch_size"]]
+            out = batch_generate(gen.model, gen.wrapper, [prompts[i] for i in chunk],
+                                 max_tokens=settings["max_tokens"], sampler=sampler, return_token_ids=True)
+            batch_tokens = 0
+            for i, text, ids in zip(chunk, out.texts, out.token_ids):
+                texts[i] = text
+                batch_tokens += len(ids)
+            tokens += batch_tokens
+            if bar is not None:
+                bar.update(len(chunk), batch_tokens)
+            elif progress:
+                progress(min(start + len(chunk), len(order)), len(order))
+    finally:
+        if bar is not None:
+            bar.close()
     seconds = time.time() - t0
     stops = [x for x in settings.get("stop") or [] if x]
     if stops:

@@ -1,11 +1,14 @@
 """Batched generation through the training chat template: ordered, complete, equal to one-at-a-time greedy."""
 
+import io
 import json
+import re
 
 from mlx_lm import generate as mlx_generate
 from mlx_lm import load
 
 from orpo.eval.generate import generate
+from orpo.generation import GenerationProgress
 from orpo.render.template import encode_generation_prompt, load_template, load_tokenizer
 
 
@@ -42,3 +45,37 @@ def test_stop_strings_cut_the_response_exactly(tiny_base, tmp_path):
     generate(tiny_base, src, tmp_path / "b.jsonl", {"max_tokens": 24, "stop": ["never appears", stop]}, label="base")
     cut = json.loads((tmp_path / "b.jsonl").read_text())["response"]
     assert cut == full[: full.index(stop)] and stop not in cut
+
+
+def test_progress_logs_a_line_per_tenth_when_not_a_terminal():
+    stream, now = io.StringIO(), [0.0]
+    bar = GenerationProgress(100, "generate[base]", stream=stream, tty=False, clock=lambda: now[0])
+    for i in range(34):  # 34 batches of 3 prompts (the last one 1), 12 tokens each, half a second apart
+        now[0] = 0.5 * (i + 1)
+        bar.update(min(3, 100 - bar.done), 12)
+    bar.close()
+    lines = stream.getvalue().splitlines()
+    assert len(lines) == 10  # 10%, 20%, ... 100%: not one per batch
+    assert [int(re.search(r"\((\d+)%\)", x).group(1)) // 10 for x in lines] == list(range(1, 11))
+    assert lines[-1] == "generate[base]: 100/100 prompts (100%), 408 tokens, 24.0 tok/s, 17.0 s"  # 408 / 17
+
+
+def test_progress_is_a_bar_with_prompts_and_tokens_per_second_on_a_terminal():
+    stream = io.StringIO()
+    bar = GenerationProgress(10, "generate[orpo]", stream=stream, tty=True)
+    for _ in range(5):
+        bar.update(2, 40)
+    bar.close()
+    text = stream.getvalue()
+    assert "generate[orpo]" in text and "10/10" in text and "tok/s" in text and "prompt" in text
+    assert "\r" in text  # redrawn in place, not one line per update
+
+
+def test_generation_reports_progress_to_stderr(tiny_base, tmp_path, capfd):
+    src = tmp_path / "prompts.jsonl"
+    src.write_text("".join(json.dumps({"key": i, "prompt": f"Tell me about item {i}."}) + "\n" for i in range(12)))
+    stats = generate(tiny_base, src, tmp_path / "gen.jsonl", {"max_tokens": 6, "batch_size": 1}, label="base")
+    err = capfd.readouterr().err.splitlines()
+    lines = [x for x in err if x.startswith("generate[base]:")]
+    assert 5 <= len(lines) <= 11  # pytest's stderr is not a terminal: ~10% lines, not one per 12 batches
+    assert lines[-1].startswith(f"generate[base]: 12/12 prompts (100%), {stats['generated_tokens']} tokens")

@@ -1,13 +1,20 @@
-"""The real Snakemake workflow on a micro config in a temp dir: outputs, no-op rerun, exact param reruns."""
+"""The real Snakemake workflow on a micro config in a temp dir: outputs, no-op rerun, exact param reruns.
+
+The micro run uses a copy of the repository (Snakefile, rules and the `orpo` package, found first through
+PYTHONPATH), made once per session and shared with tests/test_workflow_*.py: tests there edit its code, and
+other people's edits to this checkout cannot change its code versions halfway through.
+"""
 
 import json
+import os
 import re
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import yaml
-
 from conftest import ROOT, TINY_BASE, TINY_TRAIN
 
 MICRO = {
@@ -19,30 +26,74 @@ MICRO = {
     "train": {**TINY_TRAIN, "max_steps": 8},
     "generate": {"max_tokens": 24, "batch_size": 8},
 }
+_REPO_OF: dict[Path, Path] = {}  # workdir -> the repository copy whose Snakefile and package it runs
+_SESSION: dict[str, Path] = {}
 
 
-def snakemake(workdir, *args):
-    cmd = [sys.executable, "-m", "snakemake", "--snakefile", str(ROOT / "Snakefile"), "--directory", str(workdir),
-           "--configfile", str(workdir / "micro.yaml"), "--cores", "2", *args]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+def copy_repo(dest: Path) -> Path:
+    """The repository as a checkout holds it (tracked and untracked files git does not ignore) under dest."""
+    listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
+                            capture_output=True, check=True).stdout.decode().split("\0")
+    for rel in filter(None, listed):
+        src = ROOT / rel
+        if src.is_file():  # a tracked file deleted in the working tree is not part of it
+            (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, dest / rel)
+    return dest
+
+
+def workspace(repo: Path, workdir: Path) -> Path:
+    """Register workdir's runs to use repo's Snakefile and package; returns workdir."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    _REPO_OF[workdir] = repo
+    return workdir
+
+
+def snakemake(workdir, *args, config=("micro.yaml",)):
+    repo = _REPO_OF.get(Path(workdir), ROOT)
+    cmd = [sys.executable, "-m", "snakemake", "--snakefile", str(repo / "Snakefile"), "--directory", str(workdir),
+           "--configfile", *(str(Path(workdir) / c) for c in config), "--cores", "2", *args]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(repo), os.environ.get("PYTHONPATH")]))}
+    # cwd = workdir: `python -m` puts the cwd first on sys.path, and this checkout's cwd would shadow the copy.
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env, cwd=workdir, check=False)
+
+
+def job_counts(result) -> dict[str, int]:
+    """Rule -> job count from the job table Snakemake prints (dry run or real run); empty when nothing to do."""
+    text = result.stdout + result.stderr
+    if "Nothing to be done" in text:
+        return {}
+    table = text.split("Job stats:", 1)[1].split("\n\n", 1)[0]
+    return {m.group(1): int(m.group(2)) for m in re.finditer(r"^(\w+)\s+(\d+)$", table, re.MULTILINE)
+            if m.group(1) not in ("total", "job")}
 
 
 def planned_rules(result):
     """Rule names of the dry-run's job table."""
-    text = result.stdout + result.stderr
-    if "Nothing to be done" in text:
-        return set()
-    table = text.split("Job stats:", 1)[1]
-    return {m.group(1) for m in re.finditer(r"^(\w+)\s+\d+$", table, re.M)} - {"total", "job"}
+    return set(job_counts(result))
 
 
-@pytest.fixture(scope="module")
+def session_repo(tmp_path_factory) -> Path:
+    """The session's copy of the repository (made once)."""
+    if "repo" not in _SESSION:
+        _SESSION["repo"] = copy_repo(tmp_path_factory.mktemp("repo"))
+    return _SESSION["repo"]
+
+
+def micro_workflow(tmp_path_factory) -> Path:
+    """The micro run of results/ifeval.json in the session's repository copy, once per session (its workdir)."""
+    if "workdir" not in _SESSION:
+        workdir = workspace(session_repo(tmp_path_factory), tmp_path_factory.mktemp("wf"))
+        (workdir / "micro.yaml").write_text(yaml.safe_dump(MICRO))
+        result = snakemake(workdir, "results/ifeval.json")
+        assert result.returncode == 0, result.stderr[-4000:]
+        _SESSION["workdir"] = workdir
+    return _SESSION["workdir"]
+
+
+@pytest.fixture(scope="session")
 def workflow_run(tmp_path_factory):
-    workdir = tmp_path_factory.mktemp("wf")
-    (workdir / "micro.yaml").write_text(yaml.safe_dump(MICRO))
-    result = snakemake(workdir, "results/ifeval.json")
-    assert result.returncode == 0, result.stderr[-4000:]
-    return workdir
+    return micro_workflow(tmp_path_factory)
 
 
 def test_end_to_end_outputs(workflow_run):
@@ -66,10 +117,6 @@ def test_end_to_end_outputs(workflow_run):
         assert (workflow_run / "logs" / f"{rule}.log").exists(), rule
 
 
-def test_second_run_has_nothing_to_do(workflow_run):
-    assert planned_rules(snakemake(workflow_run, "-n", "results/ifeval.json")) == set()
-
-
 def test_judge_rules_against_a_real_server(workflow_run):
     from test_judge import JUDGE_PROMPTS, ScriptedJudgeServer
 
@@ -78,8 +125,12 @@ def test_judge_rules_against_a_real_server(workflow_run):
         judge = {"kind": "openai", "model": "scripted-judge", "base_url": server.url, "limit": 4,
                  "prompts_file": str(JUDGE_PROMPTS), "template": "pair-v2", "backoff_s": 0.01, "n_resamples": 100}
         (workflow_run / "judge.yaml").write_text(yaml.safe_dump({**MICRO, "judge": judge}))
-        result = snakemake(workflow_run, "results/judge/summary.json", "--configfile", str(workflow_run / "judge.yaml"))
+        result = snakemake(workflow_run, "results/judge/summary.json", config=("judge.yaml",))
         assert result.returncode == 0, result.stderr[-3000:]
+        # The judge's figure and table for the report (rule judge_plot) read that summary only.
+        result = snakemake(workflow_run, "results/plots/judge.png", config=("judge.yaml",))
+        assert result.returncode == 0, result.stderr[-3000:]
+        assert (workflow_run / "results" / "plots" / "judge.html").read_text().count("<tr>") == 1 + 5 + 4
     finally:
         server.close()
     summary = json.loads((workflow_run / "results" / "judge" / "summary.json").read_text())
@@ -92,7 +143,7 @@ def test_judge_rules_against_a_real_server(workflow_run):
 def test_spin_iteration_runs_in_the_dag_and_its_pairs_train(workflow_run):
     spin = {"limit": 24, "max_tokens": 24, "validation_fraction": 0.2}
     (workflow_run / "spin.yaml").write_text(yaml.safe_dump({**MICRO, "spin": spin}))
-    result = snakemake(workflow_run, "results/spin/iter1/run", "--configfile", str(workflow_run / "spin.yaml"))
+    result = snakemake(workflow_run, "results/spin/iter1/run", config=("spin.yaml",))
     assert result.returncode == 0, result.stderr[-3000:]
     manifest = json.loads((workflow_run / "results" / "spin" / "iter1" / "pairs" / "manifest.json").read_text())
     dropped = sum(v["count"] for v in manifest["dropped"].values())

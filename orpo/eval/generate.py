@@ -32,8 +32,7 @@ def generate(
     prompts = read_prompts(prompts_path, limit)
     gen = load_generator(model, adapter, render)
     ids = [gen.prompt_ids([{"role": "user", "content": p["prompt"]}]) for p in prompts]
-    texts, stats = generate_batched(
-        gen, ids, s, progress=lambda done, n: print(f"generate[{label}]: {done}/{n} prompts", flush=True))
+    texts, stats = generate_batched(gen, ids, s, label=f"generate[{label}]")
     provenance = {"model": str(model), "adapter": str(adapter) if adapter else None, "label": label}
     write_jsonl(out_path, ({"key": p.get("key"), "prompt": p["prompt"], "response": text, **provenance,
                             "settings": s} for p, text in zip(prompts, texts)))

@@ -120,8 +120,7 @@ def spin_pairs(
 
     gen_settings = {k: s[k] for k in GENERATION_KEYS}
     texts, stats = generate_batched(
-        gen, [prompt_ids(gen, r) for r in rows], gen_settings,
-        progress=lambda done, n: print(f"spin[iteration {iteration}]: {done}/{n} prompts", file=sys.stderr, flush=True))
+        gen, [prompt_ids(gen, r) for r in rows], gen_settings, label=f"spin[iteration {iteration}]")
     print(f"spin[iteration {iteration}]: {stats}", file=sys.stderr, flush=True)
     train, val = split(_pairs(rows, texts, drops), s["seed"], s["validation_fraction"])
 

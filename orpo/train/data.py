@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 import mlx.core as mx
@@ -26,6 +26,10 @@ class Pairs:
 
     def __len__(self) -> int:
         return len(self.ids)
+
+    def select(self, rows: list[int]) -> Pairs:
+        """The pairs at `rows`, in that order."""
+        return Pairs(*([getattr(self, f.name)[r] for r in rows] for f in fields(self)))
 
 
 def load_pairs(path: str | Path) -> Pairs:

@@ -15,11 +15,13 @@ from mlx_lm.utils import load_model
 
 from orpo.batching import batch_schedule
 from orpo.config import section_defaults
+from orpo.engine.objective import pair_logps, pair_value_and_grad
 from orpo.io import sha256_file
 from orpo.optim import current_lr, lora_adamw, warmup_steps_for
 from orpo.render.template import resolve_model_dir
 from orpo.train.accumulate import accumulate_grads
-from orpo.train.data import Pairs, load_pairs, pair_batch, pair_lengths
+from orpo.train.data import Pairs, load_pairs, pair_lengths
+from orpo.train.distributed import Shard, join
 from orpo.train.head import response_mean_logps
 from orpo.train.keys import DropoutKeys
 from orpo.train.lora import adapter_folder, apply_lora, warm_start
@@ -35,7 +37,7 @@ class TrainingError(RuntimeError):
 def resolve_settings(settings: dict[str, Any]) -> dict[str, Any]:
     """Defaults overlaid with the given settings (one level deep for the nested sections)."""
     s = {**DEFAULTS, **settings}
-    for section in ("lora", "engine"):
+    for section in ("lora", "engine", "distributed"):
         s[section] = {**DEFAULTS[section], **settings.get(section, {})}
     return s
 
@@ -53,15 +55,15 @@ class Session:
     keys: DropoutKeys
     loss_and_grad: Any = field(repr=False, default=None)
     init_adapter: dict[str, str] | None = None
+    shard: Shard = field(default_factory=Shard)
 
     @property
     def total_steps(self) -> int:
         return len(self.schedule)
 
     def micro_batches(self, step: int) -> list[list[int]]:
-        """The rows of step `step` (1-based), cut into micro-batches of batch_size."""
-        rows, bs = self.schedule[step - 1], self.s["batch_size"]
-        return [rows[i : i + bs] for i in range(0, len(rows), bs)]
+        """This rank's rows of global step `step` (1-based), cut into micro-batches of batch_size."""
+        return self.shard.micro_batches(self.schedule[step - 1], self.s["batch_size"])
 
     def step(self, step: int) -> dict[str, float]:
         """Run optimizer step `step` (1-based) and return its metrics as floats."""
@@ -73,12 +75,14 @@ class Session:
         def micro(j: int) -> tuple[dict[str, mx.array], Any]:
             nonlocal tokens
             self.keys.at(step, j)  # dropout masks of this micro-batch: keyed by (seed, step, j, module)
-            batch, mask = pair_batch(self.train, parts[j])
-            tokens += int(mask.sum().item())
-            (_, metrics), grads = self.loss_and_grad(self.model, batch, mask, len(parts[j]), self.s["lambda"])
+            pairs = self.train.select(parts[j])
+            tokens += sum(map(sum, pairs.chosen_mask + pairs.rejected_mask))  # scored tokens
+            (_, metrics), grads = pair_value_and_grad(self.model, pairs, self.s["lambda"], self.s["engine"])
             return metrics, grads
 
         grads, metrics = accumulate_grads(micro, len(parts))
+        # Every rank gets the global batch's mean gradients and metrics: clipping sees the global norm.
+        grads, metrics, tokens = self.shard.reduce(grads, metrics, tokens)
         if self.s["grad_clip"] > 0:
             grads, grad_norm = optim.clip_grad_norm(grads, self.s["grad_clip"])
         else:
@@ -102,11 +106,10 @@ class Session:
         by_length = sorted(range(len(pairs)), key=pair_lengths(pairs).__getitem__)
         for i in range(0, len(pairs), bs):
             rows = by_length[i : i + bs]
-            tokens, mask = pair_batch(pairs, rows)
-            logps = response_mean_logps(self.model, tokens, mask)
-            mx.eval(logps)
-            lw.append(logps[: len(rows)])
-            lr.append(logps[len(rows):])
+            chosen, rejected = pair_logps(self.model, pairs.select(rows), self.s["engine"])
+            mx.eval(chosen, rejected)
+            lw.append(chosen)
+            lr.append(rejected)
         _, metrics = orpo_loss(mx.concatenate(lw), mx.concatenate(lr), self.s["lambda"])
         mx.eval(metrics)
         return {k: round(v.item(), 6) for k, v in metrics.items()}
@@ -121,8 +124,9 @@ def pair_loss(model: nn.Module, tokens: mx.array, mask: mx.array, n: int, lam: f
 def build_session(base_dir: str | Path, rendered_dir: str | Path, settings: dict[str, Any]) -> Session:
     """Load the base model, add LoRA (warm-started if asked), and set up the optimizer and the step order."""
     s = resolve_settings(settings)
+    shard = join(s["distributed"])
     model, _ = load_model(resolve_model_dir(base_dir, weights=True))
-    keys = DropoutKeys(s["seed"])
+    keys = shard.dropout_keys(s["seed"])
     adapter_config = apply_lora(model, s["lora"], s["seed"], keys)
     init = None
     if s["init_adapter"]:
@@ -134,8 +138,8 @@ def build_session(base_dir: str | Path, rendered_dir: str | Path, settings: dict
     # Grouping by length saves padding but makes batches homogeneous; on the embedded data it slowed
     # learning more than it sped up steps (docs/embedded-default.md), so it is opt-in.
     window = 32 if s["group_by_length"] else 1
-    rows_per_step = s["batch_size"] * s["grad_accum"]
+    rows_per_step = s["batch_size"] * s["grad_accum"] * shard.size  # the global batch, cut per rank in micro_batches
     schedule = batch_schedule(pair_lengths(train), rows_per_step, s["epochs"], s["seed"], s["max_steps"], window)
     opt = lora_adamw(s["schedule"], s["lr"], len(schedule), warmup_steps_for(len(schedule), s["warmup"]),
                      s["weight_decay"], s["lora"]["plus_ratio"])
-    return Session(s, model, opt, adapter_config, train, schedule, keys, nn.value_and_grad(model, pair_loss), init)
+    return Session(s, model, opt, adapter_config, train, schedule, keys, nn.value_and_grad(model, pair_loss), init, shard)

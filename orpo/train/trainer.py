@@ -28,11 +28,13 @@ def _checkpoint_steps(s: dict[str, Any], total: int) -> list[int]:
     return steps if steps and steps[-1] == total else steps + [total]
 
 
-def train(base_dir: str | Path, rendered_dir: str | Path, out_dir: str | Path, settings: dict[str, Any]) -> dict[str, Any]:
+def train(base_dir: str | Path, rendered_dir: str | Path, out_dir: str | Path, settings: dict[str, Any]) -> dict[str, Any] | None:
     """Train an ORPO LoRA adapter; write the run folder (adapter, checkpoints, index, metrics).
 
     Work happens in `<out_dir>.partial`; a run killed midway resumes there from its last checkpoint when
     started again with the same settings, and the folder is renamed to `out_dir` when the run completes.
+    With several ranks only rank 0 evaluates, logs and writes (and returns the index); the others compute
+    their shards, return None, and read the folder only to resume from the checkpoint rank 0 chose.
     """
     out_dir = Path(out_dir)
     work = out_dir.with_name(out_dir.name + ".partial")
@@ -40,7 +42,11 @@ def train(base_dir: str | Path, rendered_dir: str | Path, out_dir: str | Path, s
     s = sess.s
     record = {"settings": s, "base": str(base_dir), "rendered": str(rendered_dir), "total_steps": sess.total_steps,
               "init_adapter": sess.init_adapter}
-    start, resumed = _prepare_workdir(work, record, sess)
+    start, resumed = _prepare_workdir(work, record, sess) if sess.shard.is_main else (0, False)
+    if sess.shard.size > 1:
+        start = sess.shard.broadcast_int(start)  # a barrier too: rank 0 has cleaned or resumed the folder
+        if not sess.shard.is_main:
+            return _follow(sess, work, start)
     progress = Progress(sess.total_steps, start, s["log_every"])
     if resumed:
         progress.event({"resumed_from_step": start})
@@ -86,7 +92,17 @@ def train(base_dir: str | Path, rendered_dir: str | Path, out_dir: str | Path, s
     if out_dir.exists():
         shutil.rmtree(out_dir)
     work.rename(out_dir)
+    sess.shard.barrier()  # every rank returns only once the run folder is complete
     return index
+
+
+def _follow(sess: Session, work: Path, start: int) -> None:
+    """A rank other than 0: from rank 0's resume point, compute every step's shard; write nothing."""
+    if start:
+        load_checkpoint(work, start, sess.model, sess.opt)
+    for step in range(start + 1, sess.total_steps + 1):
+        sess.step(step)
+    sess.shard.barrier()
 
 
 def _epoch_of(sess: Session, step: int) -> int:
@@ -135,10 +151,12 @@ def _truncate_metrics(path: Path, last: int) -> None:
 def replay(
     run_dir: str | Path, base_dir: str | Path, rendered_dir: str | Path, which: str | int = "best_margin",
     from_: str = "previous",
-) -> dict[str, Any]:
+) -> dict[str, Any] | None:
     """Re-run training to a checkpoint step and compare the adapter's sha256 with the run's index.
 
-    The run's settings.json (every knob, defaults filled) drives the replay. `from_="previous"` starts at the
+    The run's settings.json (every knob, defaults filled) drives the replay; a run of N processes replays
+    on N ranks (bit for bit; one process could match it only within float tolerance), and only rank 0
+    returns the record (the others None). `from_="previous"` starts at the
     latest checkpoint still on disk before the target (its optimizer and loop state restored), so a step
     pruned by `keep_last` replays from the nearest earlier kept one; `from_="zero"` retrains from step 0.
     """
@@ -159,6 +177,8 @@ def replay(
     t0 = time.time()
     for step in range(start + 1, target + 1):
         sess.step(step)
+    if not sess.shard.is_main:
+        return None
     with tempfile.TemporaryDirectory() as tmp:
         save_adapter(sess.model, sess.adapter_config, Path(tmp))
         replayed = sha256_file(Path(tmp) / "adapters.safetensors")
@@ -166,5 +186,5 @@ def replay(
     return {
         "checkpoint": str(which), "step": target, "from_step": start, "steps_replayed": target - start,
         "expected_sha256": expected, "replayed_sha256": replayed, "equal": expected == replayed,
-        "seconds": round(time.time() - t0, 1),
+        "processes": sess.shard.size, "seconds": round(time.time() - t0, 1),
     }

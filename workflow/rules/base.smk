@@ -1,16 +1,17 @@
 # Only for the embedded default: a model.path or model.hub_id in the config replaces this stage.
 rule base:
     input:
-        raw=raw_rows(),
+        raw=shared(L.raw_input),
     output:
-        directory("results/base/model"),
+        directory("results/{up}base/model"),
     params:
-        settings=settings("base"),
+        raw=shared(L.raw),
+        settings=shared(lambda n: section(n, "base")),
         code=CODE["base"],
     threads: workflow.cores
     log:
-        "logs/base.log",
+        "logs/{up}base.log",
     benchmark:
-        "benchmarks/base.tsv"
+        "benchmarks/{up}base.tsv"
     shell:
-        "orpo base --raw {input.raw} --out {output} --settings {params.settings:q} > {log} 2>&1"
+        "orpo base --raw {params.raw} --out {output} --settings {params.settings:q} > {log} 2>&1"

@@ -1,15 +1,42 @@
-# Config validation, input/param functions and stage code versions. Rules stay one-liners.
+# Config validation, experiments, input/param functions and stage code versions. Rules stay one-liners.
+#
+# Paths carry two wildcards (orpo/experiments.py, docs/reproducibility.md): {exp} on per-experiment stages
+# ("" in the flat layout of a single experiment, "<name>/" with experiments) and {up} on shared stages ("" or
+# "shared/<key>/", the key a hash of the stage's settings). Input and param functions map a job's wildcard
+# back to an experiment's config: per_exp(f) calls f(experiment name), shared(f) an experiment reading it.
 import json
 import os
 import sys
 
 from orpo.config import ConfigError, validate_config
+from orpo.experiments import Layout, prompt_rendering
 from orpo.versions import code_version
 
 try:
     validate_config(config)
+    L = Layout(config)
 except ConfigError as e:
     raise WorkflowError(str(e)) from None
+
+# A prompt set given as an HF-style dataset folder or a hub:OWNER/NAME id is normalised once to a jsonl (rules
+# eval_prompts, mt_bench_questions: a download is then cached like any output); every rule reads that jsonl
+# through the same config key, as it reads a local jsonl. PROMPT_SOURCES keeps the sources as given.
+PROMPT_SOURCES = {"eval": config["eval"]["prompts"], "judge": config["judge"]["questions"]}
+NORMALISED_PROMPTS = {"eval": "results/eval/ifeval_prompts.jsonl", "judge": "results/judge/mt_bench_questions.jsonl"}
+for _cfg in [config, *L.configs.values()]:
+    for _section, _key in (("eval", "prompts"), ("judge", "questions")):
+        _source = _cfg[_section][_key]
+        if _source and not (_source.endswith(".jsonl") and os.path.isfile(_source)):
+            if _source not in (PROMPT_SOURCES[_section], NORMALISED_PROMPTS[_section]):
+                raise WorkflowError(f"config error: {_section}.{_key}: an experiment may set a local .jsonl; "
+                                    f"a folder or hub id ({_source}) goes in the top-level config")
+            _cfg[_section][_key] = NORMALISED_PROMPTS[_section]
+
+
+def source_input(source):
+    """A prompt source as a Snakemake input: the local file or folder; none for a hub id (or no source)."""
+    return [source] if source and not source.startswith("hub:") else []
+
 
 # The rules call the `orpo` command of the Python that runs Snakemake (a venv need not be activated).
 os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
@@ -26,72 +53,58 @@ CODE = {
     "ifeval": code_version("orpo.eval.ifeval.compare"),
     "judge": code_version("orpo.eval.judge.core", dists=MLX),
     "spin": code_version("orpo.spin.core", dists=MLX),
+    "report": code_version("orpo.report.plots", "orpo.report.tables", dists=("matplotlib",)),
 }
 
 
-def settings(section):
-    """A config section as canonical JSON: the rule's param, so any change in it reruns the rule."""
-    return json.dumps(config[section], sort_keys=True)
+wildcard_constraints:
+    exp=L.exp_regex(),
+    up=L.up_regex(),
 
 
-def prompt_rendering():
-    """The render settings that shape a prompt's text (not lengths): generation must render the same way."""
-    return json.dumps({k: config["render"][k] for k in ("template", "template_kwargs")}, sort_keys=True)
+def per_exp(fn):
+    """An input/param function of a per-experiment job: fn(experiment name)."""
+    return lambda wildcards: fn(L.name(wildcards.exp))
 
 
-def judge_questions():
-    """The judge's question source: MT-Bench's question.jsonl or the curated validation prompts."""
-    j = config["judge"]
-    return j["questions"] if j["prompt_set"] == "mt_bench" else "results/curated"
+def shared(fn):
+    """An input/param function of a shared job: fn(an experiment that reads it)."""
+    return lambda wildcards: fn(L.owner(wildcards.up))
 
 
-def prompt_set_file(name):
-    return config["eval"]["prompts"] if name == "ifeval" else "results/judge/prompts.jsonl"
+def section(name, key):
+    """One experiment's config section as canonical JSON: the rule's param, so any change in it reruns the rule."""
+    return json.dumps(L.config(name)[key], sort_keys=True)
 
 
-def prompt_set_limit(name):
-    return config["eval"]["limit"] if name == "ifeval" else config["judge"]["limit"]
+def rendering(name):
+    """The render settings that shape a prompt's text, as canonical JSON: generation renders the same way."""
+    return json.dumps(prompt_rendering(L.config(name)), sort_keys=True)
 
 
-def raw_rows():
-    return config["data"]["raw"] or "results/data/raw.jsonl"
-
-
-def embedded_model():
-    return not (config["model"]["path"] or config["model"]["hub_id"])
-
-
-def model_ref():
-    """The base model as the `orpo` commands take it: a folder or a hub id."""
-    if embedded_model():
-        return "results/base/model"
-    return config["model"]["path"] or config["model"]["hub_id"]
-
-
-def model_input():
-    """The base model as a Snakemake input (none for a hub id)."""
-    return [] if config["model"]["hub_id"] and not config["model"]["path"] else [model_ref()]
-
+def experiment_targets(rel):
+    """results/[<name>/]<rel> for every experiment of the config."""
+    return [L.path(name, rel) for name in L.configs]
 
 
 SPIN_DAG_KEYS = ("iterations", "sft", "adapter")
 
 
-def spin_settings():
+def spin_settings(name):
     """config.spin minus the DAG keys, as canonical JSON: the spin core's settings."""
-    return json.dumps({k: v for k, v in config["spin"].items() if k not in SPIN_DAG_KEYS}, sort_keys=True)
+    return json.dumps({k: v for k, v in L.config(name)["spin"].items() if k not in SPIN_DAG_KEYS}, sort_keys=True)
 
 
-def spin_sft_arg():
+def spin_sft_arg(name):
     """What `orpo spin --sft` reads: spin.sft (file, folder or hub id), or the curate stage's train split."""
-    return config["spin"]["sft"] or "results/curated/train.parquet"
+    return L.config(name)["spin"]["sft"] or f"{L.curated(name)}/train.parquet"
 
 
-def spin_sft_input():
+def spin_sft_input(name):
     """spin.sft as a Snakemake input (none for a hub id); the default needs the curate stage's folder."""
-    sft = config["spin"]["sft"]
+    sft = L.config(name)["spin"]["sft"]
     if sft is None:
-        return ["results/curated"]
+        return [L.curated(name)]
     return [sft] if os.path.exists(sft) else []
 
 
@@ -99,11 +112,13 @@ def spin_adapter(wildcards):
     """The generator of iteration k: iteration k-1's run; iteration 1: spin.adapter, or the base model."""
     k = int(wildcards.k)
     if k > 1:
-        return [f"results/spin/iter{k - 1}/run"]
-    return [config["spin"]["adapter"]] if config["spin"]["adapter"] else []
+        return [f"results/{wildcards.exp}spin/iter{k - 1}/run"]
+    adapter = L.config(L.name(wildcards.exp))["spin"]["adapter"]
+    return [adapter] if adapter else []
 
 
 def spin_train_settings(wildcards):
     """config.train warm-started from the generator's adapter: iteration k trains on from iteration k-1."""
     previous = spin_adapter(wildcards)
-    return json.dumps({**config["train"], "init_adapter": previous[0] if previous else None}, sort_keys=True)
+    train = L.config(L.name(wildcards.exp))["train"]
+    return json.dumps({**train, "init_adapter": previous[0] if previous else None}, sort_keys=True)

@@ -1,19 +1,20 @@
-# Token-length filters count with the base model's tokenizer.
+# Token-length filters count with the base model's tokenizer. data.raw may be a hub id (no file input then).
 rule curate:
     input:
-        raw=raw_rows(),
-        model=model_input(),
-        eval_prompts=config["eval"]["prompts"],
+        raw=shared(L.raw_input),
+        model=shared(L.model_input),
+        eval_prompts=shared(lambda n: L.config(n)["eval"]["prompts"]),
     output:
-        directory("results/curated"),
+        directory("results/{up}curated"),
     params:
-        model=model_ref(),
-        settings=settings("curate"),
+        raw=shared(L.raw),
+        model=shared(L.model_ref),
+        settings=shared(lambda n: section(n, "curate")),
         code=CODE["curate"],
     log:
-        "logs/curate.log",
+        "logs/{up}curate.log",
     benchmark:
-        "benchmarks/curate.tsv"
+        "benchmarks/{up}curate.tsv"
     shell:
-        "orpo curate --inputs {input.raw} --out {output} --tokenizer-from {params.model} "
+        "orpo curate --inputs {params.raw} --out {output} --tokenizer-from {params.model} "
         "--eval-prompts {input.eval_prompts} --settings {params.settings:q} > {log} 2>&1"

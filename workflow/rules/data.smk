@@ -1,12 +1,13 @@
+# Synthetic raw rows (only when data.raw is null); shared by every experiment with the same data settings.
 rule data:
     output:
-        "results/data/raw.jsonl",
+        "results/{up}data/raw.jsonl",
     params:
-        settings=settings("data"),
+        settings=shared(lambda n: section(n, "data")),
         code=CODE["data"],
     log:
-        "logs/data.log",
+        "logs/{up}data.log",
     benchmark:
-        "benchmarks/data.tsv"
+        "benchmarks/{up}data.tsv"
     shell:
         "orpo data rows --out {output} --settings {params.settings:q} > {log} 2>&1"

@@ -1,26 +1,27 @@
 # The base model and the trained adapter answer the same prompts with the same settings. {set} is the
-# prompt set: ifeval (the eval prompts) or judge (the judge's questions).
+# prompt set: ifeval (the eval prompts) or judge (the judge's questions). The base model's answers are shared
+# by every experiment with the same model, generation settings and prompts.
 wildcard_constraints:
     set="ifeval|judge",
 
 
 rule generate_base:
     input:
-        model=model_input(),
-        prompts=lambda wc: prompt_set_file(wc.set),
+        model=shared(L.model_input),
+        prompts=lambda wc: L.prompt_set(L.owner(wc.up), wc.set)[0],
     output:
-        "results/generations/{set}/base.jsonl",
+        "results/{up}generations/{set}/base.jsonl",
     params:
-        model=model_ref(),
-        settings=settings("generate"),
-        render=prompt_rendering(),
-        limit=lambda wc: prompt_set_limit(wc.set),
+        model=shared(L.model_ref),
+        settings=shared(lambda n: section(n, "generate")),
+        render=shared(rendering),
+        limit=lambda wc: L.prompt_set(L.owner(wc.up), wc.set)[1],
         code=CODE["generate"],
     threads: workflow.cores
     log:
-        "logs/generate_base_{set}.log",
+        "logs/{up}generate_base_{set}.log",
     benchmark:
-        "benchmarks/generate_base_{set}.tsv"
+        "benchmarks/{up}generate_base_{set}.tsv"
     shell:
         "orpo generate --model {params.model} --prompts {input.prompts} --label base --limit {params.limit} "
         "--render-settings {params.render:q} --out {output} --settings {params.settings:q} > {log} 2>&1"
@@ -28,24 +29,24 @@ rule generate_base:
 
 rule generate_orpo:
     input:
-        model=model_input(),
-        prompts=lambda wc: prompt_set_file(wc.set),
-        run="results/train/run",
-        replay="results/train/replay.json",
+        model=per_exp(L.model_input),
+        prompts=lambda wc: L.prompt_set(L.name(wc.exp), wc.set)[0],
+        run="results/{exp}train/run",
+        replay="results/{exp}train/replay.json",
     output:
-        "results/generations/{set}/orpo.jsonl",
+        "results/{exp}generations/{set}/orpo.jsonl",
     params:
-        model=model_ref(),
-        settings=settings("generate"),
-        render=prompt_rendering(),
-        limit=lambda wc: prompt_set_limit(wc.set),
-        checkpoint=config["generate"]["adapter"],
+        model=per_exp(L.model_ref),
+        settings=per_exp(lambda n: section(n, "generate")),
+        render=per_exp(rendering),
+        limit=lambda wc: L.prompt_set(L.name(wc.exp), wc.set)[1],
+        checkpoint=per_exp(lambda n: L.config(n)["generate"]["adapter"]),
         code=CODE["generate"],
     threads: workflow.cores
     log:
-        "logs/generate_orpo_{set}.log",
+        "logs/{exp}generate_orpo_{set}.log",
     benchmark:
-        "benchmarks/generate_orpo_{set}.tsv"
+        "benchmarks/{exp}generate_orpo_{set}.tsv"
     shell:
         "orpo generate --model {params.model} --adapter {input.run} --checkpoint {params.checkpoint} "
         "--prompts {input.prompts} --label orpo --limit {params.limit} "

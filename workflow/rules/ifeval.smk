@@ -1,18 +1,35 @@
 rule ifeval:
     input:
-        prompts=config["eval"]["prompts"],
-        base="results/generations/ifeval/base.jsonl",
-        orpo="results/generations/ifeval/orpo.jsonl",
+        prompts=per_exp(lambda n: L.config(n)["eval"]["prompts"]),
+        base=per_exp(lambda n: L.base_generations(n, "ifeval")),
+        orpo="results/{exp}generations/ifeval/orpo.jsonl",
     output:
-        summary="results/ifeval.json",
-        details=directory("results/ifeval"),
+        summary="results/{exp}ifeval.json",
+        details=directory("results/{exp}ifeval"),
     params:
-        limit=config["eval"]["limit"],
+        limit=per_exp(lambda n: L.config(n)["eval"]["limit"]),
         code=CODE["ifeval"],
     log:
-        "logs/ifeval.log",
+        "logs/{exp}ifeval.log",
     benchmark:
-        "benchmarks/ifeval.tsv"
+        "benchmarks/{exp}ifeval.tsv"
     shell:
         "orpo ifeval compare --inputs {input.prompts} --generations base={input.base} orpo={input.orpo} "
         "--limit {params.limit} --out {output.summary} --details {output.details} > {log} 2>&1"
+
+
+# eval.prompts given as a dataset folder or hub id: normalised to IFEval's input format (see common.smk).
+rule eval_prompts:
+    input:
+        source_input(PROMPT_SOURCES["eval"]),
+    output:
+        NORMALISED_PROMPTS["eval"],
+    params:
+        source=PROMPT_SOURCES["eval"],
+        code=code_version("orpo.eval.ifeval.source"),
+    log:
+        "logs/eval_prompts.log",
+    benchmark:
+        "benchmarks/eval_prompts.tsv"
+    shell:
+        "orpo ifeval prompts --source {params.source:q} --out {output} > {log} 2>&1"

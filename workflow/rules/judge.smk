@@ -1,17 +1,18 @@
 # Pairwise judging of the trained model against the base (MT-Bench protocol), run on request:
 #   snakemake results/judge/summary.json   (set judge.model, and judge.kind/base_url for a server)
+#   snakemake results/<experiment>/judge/summary.json   (with experiments)
 rule judge_prompts:
     input:
-        questions=judge_questions(),
+        questions=shared(L.judge_questions),
     output:
-        "results/judge/prompts.jsonl",
+        "results/{up}judge/prompts.jsonl",
     params:
-        prompt_set=config["judge"]["prompt_set"],
+        prompt_set=shared(lambda n: L.config(n)["judge"]["prompt_set"]),
         code=CODE["judge"],
     log:
-        "logs/judge_prompts.log",
+        "logs/{up}judge_prompts.log",
     benchmark:
-        "benchmarks/judge_prompts.tsv"
+        "benchmarks/{up}judge_prompts.tsv"
     shell:
         "orpo judge prompts --prompt-set {params.prompt_set} --questions {input.questions} --out {output} > {log} 2>&1"
 
@@ -19,20 +20,39 @@ rule judge_prompts:
 # The outputs are files, not the folder: a failed run must not delete the verdict cache beside them.
 rule judge:
     input:
-        questions=judge_questions(),
-        orpo="results/generations/judge/orpo.jsonl",
-        base="results/generations/judge/base.jsonl",
+        questions=per_exp(L.judge_questions),
+        orpo="results/{exp}generations/judge/orpo.jsonl",
+        base=per_exp(lambda n: L.base_generations(n, "judge")),
     output:
-        summary="results/judge/summary.json",
-        verdicts="results/judge/verdicts.jsonl",
+        summary="results/{exp}judge/summary.json",
+        verdicts="results/{exp}judge/verdicts.jsonl",
     params:
-        settings=settings("judge"),
+        settings=per_exp(lambda n: section(n, "judge")),
+        out="results/{exp}judge",
         code=CODE["judge"],
     threads: workflow.cores
     log:
-        "logs/judge.log",
+        "logs/{exp}judge.log",
     benchmark:
-        "benchmarks/judge.tsv"
+        "benchmarks/{exp}judge.tsv"
     shell:
         "orpo judge run --questions {input.questions} --a orpo={input.orpo} --b base={input.base} "
-        "--out results/judge --settings {params.settings:q} > {log} 2>&1"
+        "--out {params.out} --settings {params.settings:q} > {log} 2>&1"
+
+
+# judge.questions given as a dataset folder or hub id: normalised to FastChat's question.jsonl layout (see
+# common.smk).
+rule mt_bench_questions:
+    input:
+        source_input(PROMPT_SOURCES["judge"]),
+    output:
+        NORMALISED_PROMPTS["judge"],
+    params:
+        source=PROMPT_SOURCES["judge"] or "",
+        code=code_version("orpo.eval.judge.questions"),
+    log:
+        "logs/mt_bench_questions.log",
+    benchmark:
+        "benchmarks/mt_bench_questions.tsv"
+    shell:
+        "orpo judge questions --source {params.source:q} --out {output} > {log} 2>&1"

@@ -1,17 +1,17 @@
 rule render:
     input:
-        curated="results/curated",
-        model=model_input(),
+        curated=shared(L.curated),
+        model=shared(L.model_input),
     output:
-        directory("results/rendered"),
+        directory("results/{up}rendered"),
     params:
-        model=model_ref(),
-        settings=settings("render"),
+        model=shared(L.model_ref),
+        settings=shared(lambda n: section(n, "render")),
         code=CODE["render"],
     log:
-        "logs/render.log",
+        "logs/{up}render.log",
     benchmark:
-        "benchmarks/render.tsv"
+        "benchmarks/{up}render.tsv"
     shell:
         "orpo render --model {params.model} --curated {input.curated} --out {output} "
         "--settings {params.settings:q} > {log} 2>&1"

@@ -1,21 +1,21 @@
 # Re-run training to the chosen checkpoint and fail unless the adapter's sha256 matches the index.
 rule replay:
     input:
-        run="results/train/run",
-        rendered="results/rendered",
-        model=model_input(),
+        run="results/{exp}train/run",
+        rendered=per_exp(L.rendered),
+        model=per_exp(L.model_input),
     output:
-        "results/train/replay.json",
+        "results/{exp}train/replay.json",
     params:
-        model=model_ref(),
-        checkpoint=config["replay"]["checkpoint"],
-        start=config["replay"]["from"],
+        model=per_exp(L.model_ref),
+        checkpoint=per_exp(lambda n: L.config(n)["replay"]["checkpoint"]),
+        start=per_exp(lambda n: L.config(n)["replay"]["from"]),
         code=CODE["train"],
     threads: workflow.cores
     log:
-        "logs/replay.log",
+        "logs/{exp}replay.log",
     benchmark:
-        "benchmarks/replay.tsv"
+        "benchmarks/{exp}replay.tsv"
     shell:
         "orpo replay --run {input.run} --model {params.model} --rendered {input.rendered} "
         "--checkpoint {params.checkpoint} --from {params.start} --out {output} > {log} 2>&1"

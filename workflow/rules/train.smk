@@ -1,19 +1,20 @@
+# Per experiment: results/[<experiment>/]train/run, from the (possibly shared) rendered pairs.
 rule train:
     input:
-        rendered="results/rendered",
-        model=model_input(),
-        init_adapter=[config["train"]["init_adapter"]] if config["train"]["init_adapter"] else [],
+        rendered=per_exp(L.rendered),
+        model=per_exp(L.model_input),
+        init_adapter=per_exp(lambda n: [L.config(n)["train"]["init_adapter"]] if L.config(n)["train"]["init_adapter"] else []),
     output:
-        directory("results/train/run"),
+        directory("results/{exp}train/run"),
     params:
-        model=model_ref(),
-        settings=settings("train"),
+        model=per_exp(L.model_ref),
+        settings=per_exp(lambda n: section(n, "train")),
         code=CODE["train"],
     threads: workflow.cores
     log:
-        "logs/train.log",
+        "logs/{exp}train.log",
     benchmark:
-        "benchmarks/train.tsv"
+        "benchmarks/{exp}train.tsv"
     shell:
         "orpo train --model {params.model} --rendered {input.rendered} --out {output} "
         "--settings {params.settings:q} > {log} 2>&1"

@@ -6,7 +6,8 @@ from pathlib import Path
 from typing import Any
 
 from orpo.eval.ifeval.bootstrap import METRICS, bootstrap_ci, bootstrap_diff
-from orpo.eval.ifeval.score import read_inputs, read_responses, score_to_dir
+from orpo.eval.ifeval.score import read_responses, score_to_dir
+from orpo.eval.ifeval.source import load_inputs
 from orpo.io import write_json
 
 
@@ -17,9 +18,9 @@ def compare_models(
     """Write `out_json` with the four IFEval accuracies per model (and CIs), and per-model details.
 
     The first model named is the reference: every other model gets its difference to it, with a paired
-    bootstrap CI over prompts.
+    bootstrap CI over prompts. `inputs_path` is any prompt source: a jsonl, a dataset folder or a `hub:` id.
     """
-    inputs = read_inputs(inputs_path)
+    inputs = load_inputs(inputs_path)
     inputs = inputs[:limit] if limit > 0 else inputs
     scored: dict[str, tuple[list[dict], list[dict]]] = {}
     models: dict[str, Any] = {}

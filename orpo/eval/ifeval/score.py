@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 import os
 from collections import defaultdict
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, Literal
 
@@ -20,38 +22,59 @@ class MissingResponseError(ValueError):
     """An input prompt has no response."""
 
 
-def _require(obj: dict, name: str, kind: type | tuple[type, ...], path: Any, line: int) -> Any:
+# Builds the error for one input row: (field, message) -> InputError naming where the row came from.
+Locate = Callable[[str | None, str], InputError]
+
+
+def _require(obj: dict, name: str, kind: type | tuple[type, ...], at: Locate) -> Any:
     if name not in obj:
-        raise InputError(path, line, name, "missing")
+        raise at(name, "missing")
     value = obj[name]
     if isinstance(value, bool) or not isinstance(value, kind):
         want = kind.__name__ if isinstance(kind, type) else "/".join(k.__name__ for k in kind)
-        raise InputError(path, line, name, f"expected {want}, got {type(value).__name__}")
+        raise at(name, f"expected {want}, got {type(value).__name__}")
     return value
+
+
+def check_input_row(obj: dict, at: Locate) -> dict:
+    """One IFEval input row validated (known instruction ids, accepted kwargs); null kwargs dropped.
+
+    Hub copies of IFEval store kwargs as one struct with every argument name, unused ones null; dropping
+    them gives the reference's own rows (its checkers treat a missing argument and None alike).
+    """
+    key = _require(obj, "key", int, at)
+    prompt = _require(obj, "prompt", str, at)
+    ids = _require(obj, "instruction_id_list", list, at)
+    kwargs = _require(obj, "kwargs", list, at)
+    if len(kwargs) != len(ids):
+        raise at("kwargs", f"has {len(kwargs)} entries for {len(ids)} instructions")
+    for i, (inst, kw) in enumerate(zip(ids, kwargs, strict=True)):
+        if not isinstance(inst, str) or inst not in REGISTRY:
+            raise at(f"instruction_id_list[{i}]", f"unknown instruction id {inst!r}")
+        try:
+            build_checker(inst, kw, where=f"kwargs[{i}]")
+        except ArgumentError as e:
+            raise at(e.field, e.reason) from None
+    kwargs = [{k: v for k, v in kw.items() if v is not None} for kw in kwargs]
+    return {"key": key, "prompt": prompt, "instruction_id_list": ids, "kwargs": kwargs}
+
+
+def check_inputs(rows: Iterable[tuple[str, Locate, dict]]) -> list[dict]:
+    """Validate (where, locate, row) triples in order, keys unique; `where` ("line 3") names a row in messages."""
+    out, first = [], {}
+    for where, at, obj in rows:
+        row = check_input_row(obj, at)
+        if row["key"] in first:
+            raise at("key", f"duplicate key {row['key']} (first on {first[row['key']]})")
+        first[row["key"]] = where
+        out.append(row)
+    return out
 
 
 def read_inputs(path: str | os.PathLike) -> list[dict]:
     """Read IFEval prompts (`key`, `prompt`, `instruction_id_list`, `kwargs`), validating every instruction."""
-    rows, keys = [], {}
-    for line, obj in read_jsonl(path):
-        key = _require(obj, "key", int, path, line)
-        prompt = _require(obj, "prompt", str, path, line)
-        ids = _require(obj, "instruction_id_list", list, path, line)
-        kwargs = _require(obj, "kwargs", list, path, line)
-        if key in keys:
-            raise InputError(path, line, "key", f"duplicate key {key} (first on line {keys[key]})")
-        keys[key] = line
-        if len(kwargs) != len(ids):
-            raise InputError(path, line, "kwargs", f"has {len(kwargs)} entries for {len(ids)} instructions")
-        for i, (inst, kw) in enumerate(zip(ids, kwargs, strict=True)):
-            if not isinstance(inst, str) or inst not in REGISTRY:
-                raise InputError(path, line, f"instruction_id_list[{i}]", f"unknown instruction id {inst!r}")
-            try:
-                build_checker(inst, kw, where=f"kwargs[{i}]")
-            except ArgumentError as e:
-                raise InputError(path, line, e.field, e.reason) from None
-        rows.append({"key": key, "prompt": prompt, "instruction_id_list": ids, "kwargs": kwargs})
-    return rows
+    return check_inputs((f"line {line}", functools.partial(InputError, path, line), obj)
+                        for line, obj in read_jsonl(path))
 
 
 def read_responses(path: str | os.PathLike) -> dict[str, str]:
@@ -59,8 +82,9 @@ def read_responses(path: str | os.PathLike) -> dict[str, str]:
     out: dict[str, str] = {}
     first: dict[str, int] = {}
     for line, obj in read_jsonl(path):
-        prompt = _require(obj, "prompt", str, path, line)
-        response = _require(obj, "response", str, path, line)
+        at = functools.partial(InputError, path, line)
+        prompt = _require(obj, "prompt", str, at)
+        response = _require(obj, "response", str, at)
         if prompt in out and out[prompt] != response:
             why = f"repeated with a different response (first on line {first[prompt]})"
             raise InputError(path, line, "prompt", why)

@@ -1,11 +1,14 @@
-"""Questions to judge on (curated validation prompts or MT-Bench's first turns) and the answers to them."""
+"""Questions to judge on (curated validation prompts or MT-Bench's first turns, from a file, folder or hub id)."""
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from orpo.eval.sources import load_dataset_rows, parse_source
 from orpo.io import InputError, read_jsonl, write_jsonl
 
 
@@ -18,17 +21,53 @@ class Question:
     category: str | None = None
 
 
-def mt_bench_questions(path: str | Path) -> list[Question]:
-    """MT-Bench's question.jsonl; only the first turn of each question (the judge is single-turn)."""
-    out = []
-    for lineno, row in read_jsonl(path):
-        turns = row.get("turns")
-        if not isinstance(turns, list) or not turns or not isinstance(turns[0], str):
-            raise InputError(path, lineno, "turns", "missing, empty or not a list of strings")
-        if "question_id" not in row:
-            raise InputError(path, lineno, "question_id", "missing")
-        out.append(Question(str(row["question_id"]), turns[0], row.get("category")))
+def _mt_bench_row(row: dict[str, Any], at: Callable[[str | None, str], InputError]) -> tuple[dict[str, Any], str]:
+    """One MT-Bench question in FastChat's layout (`question_id`, `category`, `turns`), and its id's field name.
+
+    Also accepts the hub layout of HuggingFaceH4/mt_bench_prompts (`prompt_id`, `category`, `prompt` as the
+    list of turns); other fields (`reference`) are dropped.
+    """
+    turns_field = "turns" if "turns" in row or "prompt" not in row else "prompt"
+    id_field = "question_id" if "question_id" in row or "prompt_id" not in row else "prompt_id"
+    turns = row.get(turns_field)
+    if not isinstance(turns, list) or not turns or not all(isinstance(t, str) and t for t in turns):
+        raise at(turns_field, "missing, empty or not a list of non-empty strings")
+    qid = row.get(id_field)
+    if isinstance(qid, bool) or not isinstance(qid, (int, str)) or qid == "":
+        raise at(id_field, "missing, or not an integer or non-empty string")
+    category = row.get("category")
+    if category is not None and not isinstance(category, str):
+        raise at("category", f"expected a string, got {type(category).__name__}")
+    return {"question_id": qid, "category": category, "turns": list(turns)}, id_field
+
+
+def mt_bench_rows(spec: str | Path) -> list[dict[str, Any]]:
+    """MT-Bench questions in FastChat's layout from a question.jsonl, a dataset folder or a `hub:` id."""
+    source = parse_source(spec)
+    if source.kind == "jsonl":
+        located = ((f"line {n}", functools.partial(InputError, spec, n), row) for n, row in read_jsonl(spec))
+    else:
+        data = load_dataset_rows(source)
+        located = ((f"row {i}", data.at(i), row) for i, row in enumerate(data.rows, start=1))
+    out, first = [], {}
+    for where, at, row in located:
+        q, id_field = _mt_bench_row(row, at)
+        if str(q["question_id"]) in first:
+            raise at(id_field, f"duplicate id {q['question_id']} (first on {first[str(q['question_id'])]})")
+        first[str(q["question_id"])] = where
+        out.append(q)
     return out
+
+
+def write_mt_bench(spec: str | Path, out_path: str | Path) -> dict[str, Any]:
+    """Write a source's MT-Bench questions as FastChat's question.jsonl layout (atomically); return count and source."""
+    n = write_jsonl(out_path, mt_bench_rows(spec))
+    return {"questions": n, **parse_source(spec).describe()}
+
+
+def mt_bench_questions(spec: str | Path) -> list[Question]:
+    """MT-Bench questions from any source; only the first turn of each (the judge is single-turn)."""
+    return [Question(str(q["question_id"]), q["turns"][0], q["category"]) for q in mt_bench_rows(spec)]
 
 
 def validation_questions(path: str | Path) -> tuple[list[Question], dict[str, Any]]:
@@ -53,7 +92,7 @@ def validation_questions(path: str | Path) -> tuple[list[Question], dict[str, An
 
 
 def load_questions(prompt_set: str, path: str | Path) -> tuple[list[Question], dict[str, Any]]:
-    """Questions of a prompt set (`validation` or `mt_bench`) from its file, and what was skipped."""
+    """Questions of a prompt set (`validation` or `mt_bench`) from its source, and what was skipped."""
     if prompt_set == "mt_bench":
         return mt_bench_questions(path), {}
     if prompt_set == "validation":

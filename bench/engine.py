@@ -1,0 +1,389 @@
+"""ORPO engine benchmark: naive vs each memory/speed technique alone vs all together, one process per variant.
+
+Each variant (a case of bench/engine_shapes.py's suite `--shape NAME`) runs in a fresh subprocess so its
+peak memory is its own: a random-init llama (mlx_lm's classes, seeded) with LoRA (rank 16, all seven
+projections, orpo.train.lora.apply_lora), random token pairs of P prompt + R response tokens, W warm-up
+steps, then K timed steps of value_and_grad + mx.eval (no optimizer update). Tokens are counted as the
+two-forward tokens 2 * (P + R) per pair for every variant, so prefix sharing's saving shows as more
+tokens/s. Peak is mx.get_peak_memory() over the timed steps; "extra" is peak minus the memory already
+resident when they start (weights, adapters, inputs). Ratios are to the row's baseline measured in the
+same run. `head` cases time the log-prob head alone: hidden [M, H] -> mean log-prob, gradient w.r.t. hidden.
+
+Until orpo/engine/objective.py imports, only the all-naive variants run (through the trainer's own
+nn.value_and_grad over orpo.train.session.pair_loss, behind the same signature); the others are listed
+as skipped with the reason.
+
+    .venv/bin/python bench/engine.py --shape cpu-small [--json OUT.json]
+    python bench/engine.py --shape h200 --json $OUT/engine.json          # on the GPU (see bench/gpu_wheels.md)
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [p for p in (str(ROOT), str(Path(__file__).resolve().parent)) if p not in sys.path]
+
+import mlx.core as mx
+import mlx.nn as nn
+from engine_shapes import (
+    SUITES,
+    Case,
+    Shape,
+    format_checks,
+    format_table,
+    random_pair_tokens,
+    ratio_checks,
+)
+
+from orpo.config import section_defaults
+from orpo.train.data import Pairs, pair_batch
+
+try:
+    from orpo.train.session import pair_loss
+except ImportError:  # session.py imports the engine once it is wired in; the naive loss itself needs neither
+    from orpo.train.head import response_mean_logps
+    from orpo.train.loss import orpo_loss
+
+    def pair_loss(model: nn.Module, tokens: mx.array, mask: mx.array, n: int, lam: float) -> tuple[mx.array, dict]:
+        """orpo.train.session.pair_loss's body: full-logits mean response log-probs, then the ORPO loss."""
+        logps = response_mean_logps(model, tokens, mask)
+        return orpo_loss(logps[:n], logps[n:], lam)
+
+# The engine modules are being built alongside this script: use them when they import, say why not otherwise.
+try:
+    from orpo.engine.objective import pair_value_and_grad as _engine_value_and_grad
+    OBJECTIVE_MISSING: str | None = None
+except Exception as err:  # ImportError, or a half-written module raising anything at import
+    _engine_value_and_grad = None
+    OBJECTIVE_MISSING = f"orpo.engine.objective does not import ({type(err).__name__}: {err})"
+try:
+    from orpo.engine.head import fused_logp, lm_head_of
+    HEAD_MISSING: str | None = None
+except Exception as err:
+    fused_logp = lm_head_of = None
+    HEAD_MISSING = f"orpo.engine.head does not import ({type(err).__name__}: {err})"
+
+# Every case starts from the naive engine (not the schema's defaults, which switch techniques on), so
+# "naive" is the plain path and each other case names exactly the techniques it turns on.
+ENGINE_DEFAULTS: dict[str, Any] = {**section_defaults("train")["engine"], "head": "naive", "segment_layers": 0,
+                                   "prefix_sharing": False, "attention": "mlx"}
+LORA = {**section_defaults("train")["lora"], "rank": 16, "dropout": 0.0,
+        "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]}
+LAMBDA = 0.1
+GB = 1e9
+
+
+class Skipped(Exception):
+    """This variant cannot run here (its engine module is missing); the message says why."""
+
+
+def naive_pair_value_and_grad(model: nn.Module, pairs: Pairs, lam: float, engine: dict[str, Any]) -> tuple[Any, Any]:
+    """The trainer's naive path (full logits, two forwards) behind objective.pair_value_and_grad's signature."""
+    tokens, mask = pair_batch(pairs, list(range(len(pairs))))
+    return nn.value_and_grad(model, pair_loss)(model, tokens, mask, len(pairs), lam)
+
+
+def is_naive(engine: dict[str, Any]) -> bool:
+    """Whether the settings are the trainer's original path (what the fallback computes)."""
+    return engine["head"] == "naive" and int(engine["segment_layers"]) == 0 and not engine["prefix_sharing"]
+
+
+def step_function(engine: dict[str, Any]) -> tuple[Callable, str]:
+    """(value_and_grad function, its label): the engine's objective, or the naive fallback for all-naive settings."""
+    if _engine_value_and_grad is not None:
+        return _engine_value_and_grad, "engine.objective"
+    if is_naive(engine):
+        return naive_pair_value_and_grad, "session.pair_loss"
+    raise Skipped(OBJECTIVE_MISSING)
+
+
+def skip_reason(case: Case) -> str | None:
+    """Why a case cannot run in this checkout (decided before spawning its process), or None."""
+    engine = {**ENGINE_DEFAULTS, **case.engine}
+    if case.kind == "head":
+        return HEAD_MISSING if engine["head"] == "fused" else None
+    if _engine_value_and_grad is None and not is_naive(engine):
+        return OBJECTIVE_MISSING
+    return None
+
+
+def build_model(shape: Shape, seed: int, layers: int | None = None) -> nn.Module:
+    """A random-init mlx-lm llama of `shape` in its dtype (seeded), weights evaluated."""
+    from mlx_lm.models import llama
+
+    config = shape.llama_config()
+    if layers is not None:
+        config["num_hidden_layers"] = layers
+    mx.random.seed(seed)
+    model = llama.Model(llama.ModelArgs(model_type="llama", **config))
+    model.set_dtype(getattr(mx, shape.dtype))
+    mx.eval(model.parameters())
+    return model
+
+
+def random_pairs(shape: Shape, seed: int) -> Pairs:
+    """`shape.pairs` random pairs (engine_shapes.random_pair_tokens); chosen and rejected share the prompt; all response tokens scored."""
+    prompts, chosen, rejected = random_pair_tokens(shape, seed)
+    scored = [[1] * shape.response for _ in prompts]
+    return Pairs([str(i) for i in range(len(prompts))], prompts, chosen, rejected, scored, [list(m) for m in scored])
+
+
+def _timed(step: Callable[[], Any], steps: int, warmup: int) -> tuple[dict[str, float], Any]:
+    """(seconds per step and memory over `steps` evaluated steps after `warmup` untimed ones, the last output)."""
+    for _ in range(warmup):
+        mx.eval(step())
+    mx.clear_cache()
+    resident = mx.get_active_memory()
+    mx.reset_peak_memory()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        out = step()
+        mx.eval(out)
+    secs = (time.perf_counter() - t0) / steps
+    peak = mx.get_peak_memory()
+    return {"step_s": secs, "peak_gb": peak / GB, "extra_gb": (peak - resident) / GB, "resident_gb": resident / GB}, out
+
+
+def run_step_case(case: Case, steps: int, warmup: int, seed: int) -> dict[str, Any]:
+    """One full ORPO value_and_grad per step over the case's random pairs."""
+    from orpo.train.lora import apply_lora
+
+    engine = {**ENGINE_DEFAULTS, **case.engine}
+    fn, path = step_function(engine)
+    model = build_model(case.shape, seed)
+    apply_lora(model, LORA, seed)
+    model.train()
+    pairs = random_pairs(case.shape, seed)
+    out, ((loss, _), _) = _timed(lambda: fn(model, pairs, LAMBDA, engine), steps, warmup)
+    return {**out, "path": path, "loss": loss.item(), "tokens_per_s": case.shape.two_forward_tokens() / out["step_s"]}
+
+
+def run_head_case(case: Case, steps: int, warmup: int, seed: int) -> dict[str, Any]:
+    """The head alone: M = pairs * response hidden states -> mean log-prob, gradient w.r.t. the hidden states."""
+    from orpo.train.head import mean_logps_from_logits
+
+    engine = {**ENGINE_DEFAULTS, **case.engine}
+    shape = case.shape
+    model = build_model(shape, seed, layers=1)  # only its output projection is used
+    model.freeze()
+    m = shape.pairs * shape.response
+    key_h, key_t = mx.random.split(mx.random.key(seed))
+    h = mx.random.normal((m, shape.hidden), key=key_h).astype(getattr(mx, shape.dtype))
+    targets = mx.random.randint(0, shape.vocab, (m,), key=key_t)
+    mx.eval(h, targets)
+    if engine["head"] == "fused":
+        if fused_logp is None:
+            raise Skipped(HEAD_MISSING)
+        head, path = lm_head_of(model), f"engine.head c{engine['head_chunk']}"
+        loss = lambda x: fused_logp(head, x, targets, int(engine["head_chunk"]),
+                                    float(engine["softmax_skip_eps"])).mean()
+    else:
+        project = model.model.embed_tokens.as_linear if shape.tied else model.lm_head
+        path = "train.head (logits)"
+        loss = lambda x: mean_logps_from_logits(project(x)[None], targets[None], mx.ones((1, m)))[0]
+    value_and_grad = mx.value_and_grad(loss)
+    out, (loss, _) = _timed(lambda: value_and_grad(h), steps, warmup)
+    return {**out, "path": path, "loss": loss.item(), "tokens_per_s": m / out["step_s"]}
+
+
+def child_main(case_json: str, steps: int, warmup: int, seed: int) -> None:
+    """Run one case in this process and print its result as the last line of JSON."""
+    case = Case.from_json(json.loads(case_json))
+    try:
+        runner = run_head_case if case.kind == "head" else run_step_case
+        result = runner(case, steps, warmup, seed)
+    except Skipped as why:
+        result = {"skipped": str(why)}
+    print(json.dumps(result), flush=True)
+
+
+def run_case(case: Case, steps: int, warmup: int, seed: int, timeout: int) -> dict[str, Any]:
+    """A case's result from a fresh subprocess; a crash or timeout becomes a 'failed' note, not an exception."""
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", json.dumps(case.to_json()),
+           "--steps", str(steps), "--warmup", str(warmup), "--seed", str(seed)]
+    try:
+        proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    except subprocess.TimeoutExpired:
+        return {"failed": f"timed out after {timeout} s"}
+    lines = proc.stdout.strip().splitlines()
+    if proc.returncode != 0 or not lines:
+        tail = (proc.stderr.strip().splitlines() or ["(no output)"])[-1]
+        return {"failed": f"exit {proc.returncode}: {tail[:160]}"}
+    return json.loads(lines[-1])
+
+
+def peer_rows(path: str, suite: str, cases: list[Case]) -> list[dict[str, Any]]:
+    """Rows 'peer:NAME' from a bench/peer_liger.py --json, each against the MLX naive case of the same shape."""
+    data = json.loads(Path(path).read_text())
+    if data.get("suite") != suite:
+        sys.exit(f"--peer {path}: measured suite {data.get('suite')!r}, this run is {suite!r}")
+    if not data["environment"].get("cuda_available"):
+        print(f"note: --peer {path} is a CPU smoke run (memory = max RSS, not an allocator peak): "
+              "its ratios and targets compare unlike things")
+    naive_of = {json.dumps(c.to_json()["shape"], sort_keys=True): c.name for c in cases
+                if c.kind == "step" and not c.engine}
+    rows = []
+    for rec in data["cases"]:
+        result = rec["result"]
+        row = {"name": f"peer:{rec['name']}", "baseline": naive_of.get(json.dumps(rec["shape"], sort_keys=True)),
+               "note": f"failed: {result['failed']}" if "failed" in result else None, **result}
+        row["path"] = f"torch {result.get('path', '')}"[:23]
+        rows.append(row)
+    return rows
+
+
+def environment() -> dict[str, Any]:
+    """Device, versions and BLAS: what the numbers were measured on."""
+    versions = {}
+    for dist in ("mlx", "mlx-cuda-13", "mlx-cpu", "mlx-metal", "mlx-lm"):
+        try:
+            versions[dist] = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    env = {"device": str(mx.default_device()), "python": platform.python_version(), "machine": platform.machine(),
+           "versions": versions, "cpu_count": os.cpu_count(), "ld_preload": os.environ.get("LD_PRELOAD", "")}
+    if hasattr(mx, "cuda"):
+        env["cuda_available"] = bool(mx.cuda.is_available())
+    if env["device"].startswith("Device(gpu") and hasattr(mx, "device_info"):
+        info = mx.device_info()
+        env["gpu"] = info.get("device_name") or info.get("architecture")
+    return env
+
+
+def _reexec_with_openblas() -> None:
+    """On Linux CPU, restart once with OpenBLAS preloaded (children inherit it); the bundled BLAS is ~35x slower."""
+    from orpo.blas import preload_value
+
+    if os.environ.get("_ORPO_BLAS_DONE") == "1":
+        return
+    os.environ["_ORPO_BLAS_DONE"] = "1"
+    value = preload_value()
+    if value and value != os.environ.get("LD_PRELOAD", ""):
+        os.execve(sys.executable, [sys.executable, *sys.argv], dict(os.environ, LD_PRELOAD=value))
+
+
+def _row(name: str, baseline: str | None, result: dict[str, Any]) -> dict[str, Any]:
+    """A table row from a case's result: a note instead of numbers where it was skipped or failed."""
+    note = f"skipped: {result['skipped']}" if "skipped" in result else (
+        f"failed: {result['failed']}" if "failed" in result else None)
+    return {"name": name, "baseline": baseline, "note": note, **result}
+
+
+def select_cases(suite_name: str, variants: str | None, dtype: str | None) -> list[Case]:
+    """The suite's cases, filtered by --variants and with --dtype applied (a clear error for unknown names)."""
+    from dataclasses import replace
+
+    cases = SUITES[suite_name].cases
+    if dtype:
+        cases = [replace(c, shape=replace(c.shape, dtype=dtype)) for c in cases]
+    if variants:
+        wanted = [v.strip() for v in variants.split(",") if v.strip()]
+        unknown = sorted(set(wanted) - {c.name for c in cases})
+        if unknown:
+            sys.exit(f"--variants: {unknown} not in suite {suite_name!r} (its variants: {', '.join(c.name for c in cases)})")
+        cases = [c for c in cases if c.name in wanted]
+    return cases
+
+
+def measure(cases: list[Case], steps: int, warmup: int, seed: int, timeout: int,
+            save: Callable[[list[dict[str, Any]]], None]) -> list[dict[str, Any]]:
+    """Each case's record (its JSON form plus 'result'), one subprocess per case; progress printed and saved as it goes."""
+    records = []
+    for case in cases:
+        reason = skip_reason(case)
+        result = {"skipped": reason} if reason else run_case(case, steps, warmup, seed, timeout)
+        row = _row(case.name, case.baseline, result)
+        print(f"  {case.name}: " + (row["note"] or f"{result['tokens_per_s']:.0f} tokens/s, peak {result['peak_gb']:.3f} GB"),
+              flush=True)
+        records.append({**case.to_json(), "engine_resolved": {**ENGINE_DEFAULTS, **case.engine}, "result": result})
+        save(records)  # a run cut short (device time limit) still leaves the variants it finished
+    return records
+
+
+def report(suite_name: str, records: list[dict[str, Any]], peer: str | None, seconds: float) -> list[dict[str, Any]]:
+    """Print the table (with the peer's rows when given) and the suite's targets; return the checks."""
+    rows = [_row(r["name"], r["baseline"], r["result"]) for r in records]
+    if peer:
+        rows += peer_rows(peer, suite_name, [Case.from_json(r) for r in records])
+    checks = ratio_checks(SUITES[suite_name].checks, {r["name"]: r for r in rows if not r.get("note")})
+    print()
+    print(format_table(rows, f"ORPO engine, suite {suite_name} ({seconds:.0f} s), ratios to each row's baseline "
+                             "(naive at the same shape)"))
+    if checks:
+        print("targets:")
+        print(format_checks(checks))
+    skipped = [r["name"] for r in rows if (r.get("note") or "").startswith("skipped")]
+    if skipped:
+        print(f"skipped {len(skipped)} variant(s) ({', '.join(skipped)}): their engine modules do not import here")
+    return checks
+
+
+def main() -> None:
+    """Run the suite (or re-read a saved run), print the table and the target checks, optionally write --json."""
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shape", default="cpu-small", choices=sorted(SUITES), help="named suite of bench/engine_shapes.py")
+    ap.add_argument("--variants", help="comma-separated case names to run (default: all of the suite)")
+    ap.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="override the shape's dtype")
+    ap.add_argument("--steps", type=int, help="timed steps per variant (default: the suite's, 3 on CPU, 10 on GPU)")
+    ap.add_argument("--warmup", type=int, help="untimed steps first: graph building, allocator warm-up (default: the suite's)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--timeout", type=int, default=300, help="seconds per variant before it is reported as failed")
+    ap.add_argument("--json", help="write the machine-readable results here")
+    ap.add_argument("--peer", help="bench/peer_liger.py's --json of the same suite: its rows join the table and targets")
+    ap.add_argument("--report", metavar="ENGINE_JSON", help="measure nothing: print the table of a saved --json run "
+                                                            "(with --peer: joined with the peer's)")
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.child:
+        child_main(a.child, a.steps, a.warmup, a.seed)
+        return
+    if a.report:
+        saved = json.loads(Path(a.report).read_text())
+        env = saved["environment"]
+        print(f"saved run {a.report}: MLX {env['versions'].get('mlx')}, device {env['device']}"
+              + (f" ({env['gpu']})" if env.get("gpu") else ""))
+        report(saved["suite"], saved["cases"], a.peer, saved["seconds"])
+        return
+    _reexec_with_openblas()
+
+    suite = SUITES[a.shape]
+    a.steps = a.steps or suite.steps
+    a.warmup = suite.warmup if a.warmup is None else a.warmup
+    cases = select_cases(a.shape, a.variants, a.dtype)
+    env = environment()
+    print(f"MLX {env['versions'].get('mlx')} (mlx-lm {env['versions'].get('mlx-lm')}), device {env['device']}"
+          + (f", mx.cuda.is_available() = {env['cuda_available']}" if "cuda_available" in env else "")
+          + (f", {env['gpu']}" if env.get("gpu") else "") + f", Python {env['python']}, {env['cpu_count']} CPUs"
+          + (", OpenBLAS preloaded" if "openblas" in env["ld_preload"].lower() else ""), flush=True)
+    print(f"suite {a.shape}: {len(cases)} variant(s), {a.warmup} warm-up + {a.steps} timed steps each, one process each",
+          flush=True)
+    t0 = time.time()
+
+    def save(records: list[dict[str, Any]], checks: list[dict[str, Any]] | None = None) -> None:
+        if a.json:
+            from orpo.io import write_json
+
+            write_json(a.json, {"bench": "engine", "suite": a.shape, "steps": a.steps, "warmup": a.warmup,
+                                "seed": a.seed, "lambda": LAMBDA, "lora": LORA, "environment": env, "cases": records,
+                                "checks": checks, "complete": checks is not None, "seconds": time.time() - t0})
+
+    records = measure(cases, a.steps, a.warmup, a.seed, a.timeout, save)
+    checks = report(a.shape, records, a.peer, time.time() - t0)
+    save(records, checks)
+    if a.json:
+        print(f"wrote {a.json}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,251 @@
+"""Named benchmark shapes and suites shared by bench/engine.py (MLX) and bench/peer_liger.py (PyTorch).
+
+Pure Python on purpose (no MLX, no torch): both benchmarks import it, in their own environments, so
+they run exactly the same model and batch shapes.
+
+A suite is what one `--shape NAME` runs: a list of cases (one subprocess each) plus the target checks
+computed from them (ratios between two cases measured in that same run).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A random-init llama and its batch: `pairs` pairs of `prompt` prompt and `response` response tokens each."""
+
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    intermediate: int
+    vocab: int
+    head_dim: int | None = None
+    tied: bool = True
+    rope_theta: float = 10000.0
+    dtype: str = "float32"
+    pairs: int = 4
+    prompt: int = 128
+    response: int = 128
+
+    def llama_config(self) -> dict[str, Any]:
+        """Keys both mlx_lm.models.llama.ModelArgs and transformers.LlamaConfig accept."""
+        return {
+            "hidden_size": self.hidden, "num_hidden_layers": self.layers, "num_attention_heads": self.heads,
+            "num_key_value_heads": self.kv_heads, "intermediate_size": self.intermediate,
+            "vocab_size": self.vocab, "head_dim": self.head_dim or self.hidden // self.heads,
+            "tie_word_embeddings": self.tied, "rope_theta": self.rope_theta, "rms_norm_eps": 1e-5,
+        }
+
+    def two_forward_tokens(self) -> int:
+        """Tokens of one step counted as two forwards ([prompt; chosen] and [prompt; rejected]) per pair."""
+        return 2 * (self.prompt + self.response) * self.pairs
+
+
+@dataclass(frozen=True)
+class Case:
+    """One measured variant: a full ORPO step ('step') or the log-prob head alone ('head', M = pairs * response)."""
+
+    name: str
+    shape: Shape
+    kind: str = "step"
+    engine: dict[str, Any] = field(default_factory=dict)  # overrides of the schema's train.engine defaults
+    baseline: str = "naive"  # the case its ratios are taken against
+
+    def to_json(self) -> dict[str, Any]:
+        """Plain-JSON form (what a child process receives)."""
+        return {"name": self.name, "shape": asdict(self.shape), "kind": self.kind, "engine": dict(self.engine),
+                "baseline": self.baseline}
+
+    @staticmethod
+    def from_json(obj: dict[str, Any]) -> Case:
+        """Inverse of to_json."""
+        return Case(obj["name"], Shape(**obj["shape"]), obj["kind"], dict(obj["engine"]), obj["baseline"])
+
+
+@dataclass(frozen=True)
+class Check:
+    """A target from the issue: metric(numerator) / metric(denominator) compared with a bound."""
+
+    label: str
+    metric: str  # a key of a case's result: tokens_per_s, peak_gb, extra_gb
+    numerator: str
+    denominator: str
+    op: str  # "<=" or ">="
+    bound: float
+
+
+@dataclass(frozen=True)
+class Suite:
+    """What `--shape NAME` runs."""
+
+    cases: list[Case]
+    checks: list[Check] = field(default_factory=list)
+    peer: bool = True  # whether bench/peer_liger.py has a meaning on these shapes (not for the head alone)
+    steps: int = 10  # timed steps per variant (--steps overrides)
+    warmup: int = 3  # untimed steps first: graph building, compilation, allocator warm-up (--warmup overrides)
+
+
+# Llama-3.2-1B's geometry (the issue's reference shape): ~1.24B parameters, bf16.
+LLAMA_1B = Shape(hidden=2048, layers=16, heads=32, kv_heads=8, intermediate=8192, vocab=128256, head_dim=64,
+                 tied=True, rope_theta=500000.0, dtype="bfloat16", pairs=4, prompt=512, response=512)
+# Small enough for a few float32 steps per variant on 2 CPU cores.
+CPU_SMALL = Shape(hidden=256, layers=4, heads=4, kv_heads=2, intermediate=768, vocab=8192, dtype="float32",
+                  pairs=4, prompt=128, response=128)
+
+
+def _main_cases(shape: Shape, segment_layers: int) -> list[Case]:
+    """Naive, each technique alone, all together (with and without blockwise attention)."""
+    seg = {"segment_layers": segment_layers}
+    return [
+        Case("naive", shape),
+        Case("fused", shape, engine={"head": "fused"}),
+        Case(f"segmented-{segment_layers}", shape, engine=seg),
+        Case("prefix", shape, engine={"prefix_sharing": True}),
+        Case("all", shape, engine={"head": "fused", **seg, "prefix_sharing": True}),
+        Case("blockwise-attn", shape, engine={"attention": "blockwise"}),
+        Case("all+attn", shape, engine={"head": "fused", **seg, "prefix_sharing": True, "attention": "blockwise"}),
+    ]
+
+
+def _head_suite(base: Shape, small_vocab: int, large_vocab: int, tokens: int, chunk: int) -> Suite:
+    """The head alone (hidden -> logp, grad w.r.t. hidden) at two vocab sizes, `tokens` response tokens.
+
+    Besides the default chunk, the large vocab runs with the chunk scaled down by the vocab ratio so its
+    [chunk, V] block has the same bytes as the small vocab's (token chunking alone cannot hold a fixed
+    chunk's block constant when V grows).
+    """
+    small = replace(base, vocab=small_vocab, pairs=1, prompt=0, response=tokens)
+    large = replace(small, vocab=large_vocab)
+    scaled = max(1, chunk * small_vocab // large_vocab)
+    s, l = f"{small_vocab // 1000}k", f"{large_vocab // 1000}k"
+    cases = [
+        Case(f"naive-V{s}", small, "head", baseline=f"naive-V{s}"),
+        Case(f"naive-V{l}", large, "head", baseline=f"naive-V{l}"),
+        Case(f"fused-V{s}", small, "head", {"head": "fused", "head_chunk": chunk}, baseline=f"naive-V{s}"),
+        Case(f"fused-V{l}", large, "head", {"head": "fused", "head_chunk": chunk}, baseline=f"naive-V{l}"),
+        Case(f"fused-V{l}-c{scaled}", large, "head", {"head": "fused", "head_chunk": scaled}, baseline=f"naive-V{l}"),
+    ]
+    checks = [Check(f"fused head peak, V={l} vs V={s} ({tokens} tokens, chunk {chunk})", m,
+                    f"fused-V{l}", f"fused-V{s}", "<=", 1.1) for m in ("peak_gb", "extra_gb")]
+    checks += [Check(f"fused head peak, V={l} chunk {scaled} vs V={s} chunk {chunk}", m,
+                     f"fused-V{l}-c{scaled}", f"fused-V{s}", "<=", 1.1) for m in ("peak_gb", "extra_gb")]
+    return Suite(cases, checks, peer=False)
+
+
+def _segment_suite(base: Shape, few: int, many: int, segment_layers: int) -> Suite:
+    """Segmented backward at `few` and `many` layers (plain backward beside each)."""
+    lo, hi = replace(base, layers=few), replace(base, layers=many)
+    seg = {"segment_layers": segment_layers}
+    cases = [
+        Case(f"naive-L{few}", lo, baseline=f"naive-L{few}"),
+        Case(f"segmented-{segment_layers}-L{few}", lo, engine=seg, baseline=f"naive-L{few}"),
+        Case(f"naive-L{many}", hi, baseline=f"naive-L{many}"),
+        Case(f"segmented-{segment_layers}-L{many}", hi, engine=seg, baseline=f"naive-L{many}"),
+    ]
+    checks = [Check(f"segmented peak, {many} vs {few} layers", m, f"segmented-{segment_layers}-L{many}",
+                    f"segmented-{segment_layers}-L{few}", "<=", 1.3) for m in ("peak_gb", "extra_gb")]
+    return Suite(cases, checks)
+
+
+def _prefix_suite(base: Shape, response: int) -> Suite:
+    """Prompts twice the responses: one shared-prompt forward vs two (the token count alone allows 1.5x)."""
+    shape = replace(base, prompt=2 * response, response=response)
+    cases = [Case("naive", shape), Case("prefix", shape, engine={"prefix_sharing": True})]
+    return Suite(cases, [Check("prefix sharing tokens/s, prompts 2x responses", "tokens_per_s",
+                               "prefix", "naive", ">=", 1.4)])
+
+
+CPU_SEGMENTS = replace(CPU_SMALL, hidden=128, heads=2, kv_heads=1, intermediate=384, vocab=4096, prompt=64, response=64)
+
+CPU_RUN = {"steps": 3, "warmup": 1}
+# The issue's headline target, against bench/peer_liger.py's results (bench/engine.py --peer PEER.json).
+PEER_CHECKS = [Check("all vs torch+Liger tokens/s", "tokens_per_s", "all", "peer:liger", ">=", 1.3),
+               Check("all peak vs torch+Liger+checkpointing peak", "peak_gb", "all", "peer:liger-ckpt", "<=", 1.0)]
+
+SUITES: dict[str, Suite] = {
+    # The CPU sizes: every preset below its h200 twin, each finishing in about a minute on 2 idle cores.
+    "cpu-small": Suite(_main_cases(CPU_SMALL, 2), PEER_CHECKS, **CPU_RUN),
+    "cpu-head": replace(_head_suite(CPU_SMALL, 4000, 32000, 1024, 256), **CPU_RUN),
+    "cpu-segments": replace(_segment_suite(CPU_SEGMENTS, 2, 8, 2), **CPU_RUN),
+    "cpu-prefix": replace(_prefix_suite(CPU_SMALL, 64), **CPU_RUN),
+    # The issue's reference shape and targets (the lent H200).
+    "h200": Suite(_main_cases(LLAMA_1B, 4), PEER_CHECKS),
+    "h200-head": _head_suite(LLAMA_1B, 32000, 256000, 8192, 1024),
+    "h200-segments": _segment_suite(LLAMA_1B, 8, 32, 4),
+    "h200-prefix": _prefix_suite(LLAMA_1B, 512),
+}
+
+
+def random_pair_tokens(shape: Shape, seed: int) -> tuple[list[list[int]], list[list[int]], list[list[int]]]:
+    """(prompts, chosen, rejected) of uniform random token ids, seeded: the same batch in both benchmarks."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    n = shape.pairs
+    prompts = [rng.integers(0, shape.vocab, shape.prompt).tolist() for _ in range(n)]
+    chosen = [rng.integers(0, shape.vocab, shape.response).tolist() for _ in range(n)]
+    rejected = [rng.integers(0, shape.vocab, shape.response).tolist() for _ in range(n)]
+    return prompts, chosen, rejected
+
+
+def step_shapes(suite: Suite) -> dict[str, Shape]:
+    """The distinct step shapes of a suite, keyed by a short label (what the peer runs on)."""
+    out: dict[str, Shape] = {}
+    for case in suite.cases:
+        if case.kind == "step" and case.shape not in out.values():
+            suffix = case.name.rsplit("-", 1)[-1] if case.name.rsplit("-", 1)[-1].startswith("L") else ""
+            out[suffix or f"P{case.shape.prompt}R{case.shape.response}"] = case.shape
+    return out
+
+
+def ratio_checks(checks: list[Check], results: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each check's measured ratio and whether it meets its bound (None where a side was not measured)."""
+    out = []
+    for c in checks:
+        num, den = results.get(c.numerator, {}), results.get(c.denominator, {})
+        ratio = None
+        if num.get(c.metric) is not None and den.get(c.metric):
+            ratio = num[c.metric] / den[c.metric]
+        met = None if ratio is None else (ratio <= c.bound if c.op == "<=" else ratio >= c.bound)
+        out.append({"label": c.label, "metric": c.metric, "numerator": c.numerator, "denominator": c.denominator,
+                    "target": f"{c.op} {c.bound}", "ratio": ratio, "met": met})
+    return out
+
+
+def _ratio(row: dict[str, Any], base: dict[str, Any], key: str) -> str:
+    """row[key] / base[key] as a table cell, '-' where the baseline is missing or was not measured."""
+    b = base.get(key)
+    return f"{row[key] / b:>8.2f}" if b and row.get(key) is not None and not base.get("note") else f"{'-':>8}"
+
+
+def format_table(rows: list[dict[str, Any]], title: str) -> str:
+    """The table both benchmarks print: tokens/s, peak and extra memory, each with its ratio to the row's baseline.
+
+    A row: name, path, tokens_per_s, peak_gb, extra_gb, step_s, baseline (name), note (why skipped/failed).
+    """
+    by_name = {r["name"]: r for r in rows}
+    head = f"{'variant':<26}{'path':<24}{'tokens/s':>11}{'x base':>8}{'peak GB':>9}{'x base':>8}" \
+           f"{'extra GB':>10}{'x base':>8}{'step s':>9}"
+    lines = [title, head, "-" * len(head)]
+    for r in rows:
+        if r.get("note"):
+            lines.append(f"{r['name']:<26}{r['note']}")
+            continue
+        base = by_name.get(r.get("baseline") or "", {})
+        x = {k: _ratio(r, base, k) for k in ("tokens_per_s", "peak_gb", "extra_gb")}
+        lines.append(f"{r['name']:<26}{r['path']:<24}{r['tokens_per_s']:>11.0f}{x['tokens_per_s']}"
+                     f"{r['peak_gb']:>9.3f}{x['peak_gb']}{r['extra_gb']:>10.3f}{x['extra_gb']}{r['step_s']:>9.3f}")
+    return "\n".join(lines)
+
+
+def format_checks(checks: list[dict[str, Any]]) -> str:
+    """One line per target check."""
+    lines = []
+    for c in checks:
+        measured = "not measured" if c["ratio"] is None else f"{c['ratio']:.2f}x ({'met' if c['met'] else 'NOT met'})"
+        lines.append(f"  {c['label']} [{c['metric']}]: {measured}, target {c['target']}")
+    return "\n".join(lines)

@@ -1,0 +1,220 @@
+"""Flash-CCE log-prob head: log p(target) per token without ever holding the [tokens, vocab] logits.
+
+Forward: token chunks; each computes its full-vocab [chunk, V] logit block, the block's float32
+logsumexp and target logit, and is freed. Backward: an analytic vjp (`mx.custom_function`) that
+recomputes each chunk's block from the saved per-token logsumexp: d logp / dz = onehot - softmax, times
+1 - tanh^2 under a logit softcap. Token chunks, not a vocab-block online softmax: in MLX a sequential
+chain over vocab blocks in one graph kept every block alive. The chunks are chained (`_after`) so that
+the blocks alive at once are a fixed few, whatever the token count (tests/test_engine_head.py measures it).
+Matmuls run in the head's dtype, as the model's own layer does; softmax math in float32.
+Pure MLX (CPU, CUDA, Metal); float and quantized heads. `skip_eps` only changes the math here (dense
+matmuls either way); it exists so a sparse kernel can be checked against the same semantics.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import cache
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+
+# Model-args fields with which an mlx-lm family scales its logits beyond head(model.model(x)) [+ softcap]
+# (cohere, granite, minicpm, falcon_h1, ...): the fused head would score different logits, so refuse.
+_LOGIT_SCALING_ARGS = ("logit_scale", "logits_scaling", "dim_model_base", "output_multiplier", "lm_head_multiplier")
+
+
+@dataclass(frozen=True, eq=False)
+class LMHead:
+    """A frozen output projection: logits = softcap(h W^T + bias), W float [V, H] or quantized (packed)."""
+
+    weight: mx.array
+    scales: mx.array | None = None
+    biases: mx.array | None = None
+    group_size: int | None = None
+    bits: int | None = None
+    softcap: float | None = None
+    mode: str = "affine"
+    bias: mx.array | None = None  # output bias [V], for heads that have one
+    fused_bias: bool = True  # nn.Linear adds its bias inside addmm; QuantizedLinear adds it after
+
+    @property
+    def quantized(self) -> bool:
+        """Whether the weight is packed (quantized_matmul) rather than a float matrix."""
+        return self.scales is not None
+
+    @property
+    def vocab_size(self) -> int:
+        """V, the number of logits per token."""
+        return self.weight.shape[0]
+
+    @property
+    def hidden_size(self) -> int:
+        """H, the size of the hidden state the head projects."""
+        return self.weight.shape[1] * 32 // self.bits if self.quantized else self.weight.shape[1]
+
+    def project(self, h: mx.array) -> mx.array:
+        """Raw logits h W^T (+ bias) in the head's dtype, computed exactly as the model's layer does."""
+        if self.quantized:
+            out = mx.quantized_matmul(h, self.weight, scales=self.scales, biases=self.biases, transpose=True,
+                                      group_size=self.group_size, bits=self.bits, mode=self.mode)
+            return out if self.bias is None else out + self.bias
+        if self.bias is not None and self.fused_bias:
+            return mx.addmm(self.bias, h, self.weight.T)
+        out = h @ self.weight.T
+        return out if self.bias is None else out + self.bias
+
+    def back_project(self, dz: mx.array) -> mx.array:
+        """dz W: a cotangent on the logits [.., V] to one on the hidden state [.., H]."""
+        if self.quantized:
+            return mx.quantized_matmul(dz, self.weight, scales=self.scales, biases=self.biases, transpose=False,
+                                       group_size=self.group_size, bits=self.bits, mode=self.mode)
+        return dz @ self.weight
+
+
+def _apply_softcap(x: mx.array, cap: float | None) -> mx.array:
+    return x if cap is None else mx.tanh(x / cap) * cap  # mlx-lm's order of operations
+
+
+def head_logits(head: LMHead, h: mx.array) -> mx.array:
+    """Naive full logits [..., V] incl. the softcap: exactly what model(...) returns for final hidden h."""
+    return _apply_softcap(head.project(h), head.softcap)
+
+
+def _frozen_or_raise(module: nn.Module, where: str) -> None:
+    trainable = [k for k, _ in tree_flatten(module.trainable_parameters())]
+    if trainable:
+        raise ValueError(
+            f"{where} has trainable parameters ({', '.join(trainable)}): the fused head gives gradients to the "
+            "hidden state only; freeze the model first (model.freeze()) or use train.engine.head: naive")
+
+
+def lm_head_of(model: nn.Module) -> LMHead:
+    """The frozen output projection of an mlx-lm model (tied embedding or lm_head) and its final softcap."""
+    name = type(model).__module__.rsplit(".", 1)[-1]
+    args = getattr(model, "args", None)
+    for field in _LOGIT_SCALING_ARGS:
+        if getattr(args, field, None) is not None:
+            raise ValueError(f"model type {name!r} scales its logits (args.{field}); the fused head does not "
+                             "support it; use train.engine.head: naive")
+    tied_flag = getattr(model, "tie_word_embeddings", getattr(args, "tie_word_embeddings", False))
+    if "lm_head" in model and not tied_flag:
+        module, where = model["lm_head"], "lm_head"
+    else:
+        module = getattr(getattr(model, "model", None), "embed_tokens", None)
+        where = "model.embed_tokens (tied)"
+        if module is None:
+            raise ValueError(f"model type {name!r}: no output projection found (looked for lm_head and a "
+                             "tied model.embed_tokens)")
+    cap = getattr(model, "final_logit_softcapping", getattr(args, "final_logit_softcapping", None))
+    cap = float(cap) if cap else None  # mlx-lm treats 0/None as no cap
+    if isinstance(module, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
+        _frozen_or_raise(module, where)
+        return LMHead(module["weight"], module["scales"], module.get("biases"), module.group_size, module.bits,
+                      cap, module.mode, module.get("bias"), fused_bias=False)
+    if isinstance(module, (nn.Linear, nn.Embedding)):
+        _frozen_or_raise(module, where)
+        return LMHead(module["weight"], softcap=cap, bias=module.get("bias"))
+    raise ValueError(f"{where} is a {type(module).__name__} (e.g. an adapter on the head): the fused head needs "
+                     "a frozen Linear/Embedding or their quantized forms; use train.engine.head: naive")
+
+
+@cache
+def _forward_block(cap: float | None) -> Callable:
+    """Compiled: raw logit block [c, V] and targets [c] -> (logp, logsumexp) in float32."""
+
+    def block(x: mx.array, targets: mx.array) -> tuple[mx.array, mx.array]:
+        z = _apply_softcap(x.astype(mx.float32), cap)
+        lse = mx.logsumexp(z, axis=-1)
+        return mx.take_along_axis(z, targets[:, None], axis=-1)[:, 0] - lse, lse
+
+    return mx.compile(block)
+
+
+@cache
+def _grad_block(cap: float | None, skip_eps: float) -> Callable:
+    """Compiled: d(g_logp * logp + g_lse * lse)/dx for one raw logit block, in the block's dtype."""
+
+    def block(x: mx.array, lse: mx.array, targets: mx.array, g: mx.array, g_lse: mx.array) -> mx.array:
+        xf = x.astype(mx.float32)
+        if cap is None:
+            z = xf
+        else:
+            th = mx.tanh(xf / cap)
+            z = th * cap
+        p = mx.exp(z - lse[:, None])
+        if skip_eps > 0:
+            p = mx.where(p < skip_eps, 0.0, p)
+        onehot = mx.arange(x.shape[-1])[None, :] == targets[:, None]
+        # d logp/dz = onehot - p and d lse/dz = p, so the sum is g*onehot - p*(g - g_lse)
+        dz = mx.where(onehot, g[:, None], 0.0) - p * (g - g_lse)[:, None]
+        if cap is not None:
+            dz = dz * (1.0 - th * th)
+        return dz.astype(x.dtype)  # the naive path's cotangent on the logits has their dtype too
+
+    return mx.compile(block)
+
+
+def _after(x: mx.array, previous: list[mx.array]) -> mx.array:
+    """x, made to wait for the previous chunk's results.
+
+    Left independent, MLX's breadth-first eval schedules many chunks side by side and holds their
+    [chunk, V] blocks together (measured on CPU: up to ~20 blocks); chained, the blocks alive at once are
+    the backend's run-ahead window (~8 on CPU, lowered by mx.set_memory_limit), whatever the token count.
+    """
+    return mx.depends(x, previous) if previous else x
+
+
+def _fused(head: LMHead, chunk: int, skip_eps: float) -> Callable:
+    """The custom function (h [M, H], targets [M]) -> (logp, logsumexp), with its chunked analytic vjp."""
+    forward, backward = _forward_block(head.softcap), _grad_block(head.softcap, skip_eps)
+
+    @mx.custom_function
+    def logp_lse(h: mx.array, targets: mx.array) -> tuple[mx.array, mx.array]:
+        logp, lse = [], []
+        for s in range(0, h.shape[0], chunk):
+            x = head.project(_after(h[s : s + chunk], logp[-1:] + lse[-1:]))
+            lp, ls = forward(x, targets[s : s + chunk])
+            logp.append(lp)
+            lse.append(ls)
+        return mx.concatenate(logp), mx.concatenate(lse)
+
+    @logp_lse.vjp
+    def logp_lse_vjp(primals, cotangents, outputs):
+        h, targets = primals
+        g, g_lse = (c.astype(mx.float32) for c in cotangents)
+        lse = outputs[1]
+        dh = []
+        for s in range(0, h.shape[0], chunk):
+            e = slice(s, s + chunk)
+            x = head.project(_after(h[e], dh[-1:]))  # recomputed: the forward kept no block
+            dh.append(head.back_project(backward(x, lse[e], targets[e], g[e], g_lse[e])))
+        return mx.concatenate(dh).astype(h.dtype), None
+
+    return logp_lse
+
+
+def fused_logp(head: LMHead, h: mx.array, targets: mx.array, chunk: int = 1024, skip_eps: float = 0.0) -> mx.array:
+    """log softmax(softcap(h W^T))[target] per token, float32, token-chunked; differentiable w.r.t. h only.
+
+    h [..., H] (any float dtype) and targets [...] (int) give logp [...]. The backward recomputes one
+    [chunk, V] block at a time; `skip_eps` > 0 treats softmax probabilities below it as 0 there.
+    """
+    if h.ndim < 1 or h.shape[-1] != head.hidden_size:
+        raise ValueError(f"fused_logp: h has shape {tuple(h.shape)}, expected [..., {head.hidden_size}] "
+                         "(the head's hidden size)")
+    if targets.shape != h.shape[:-1]:
+        raise ValueError(f"fused_logp: targets has shape {tuple(targets.shape)}, expected {tuple(h.shape[:-1])} "
+                         "(h's leading shape)")
+    if not mx.issubdtype(h.dtype, mx.floating) or not mx.issubdtype(targets.dtype, mx.integer):
+        raise ValueError(f"fused_logp: h must be float and targets int, got {h.dtype} and {targets.dtype}")
+    if chunk < 1 or skip_eps < 0:
+        raise ValueError(f"fused_logp: chunk must be >= 1 and skip_eps >= 0, got chunk={chunk}, skip_eps={skip_eps}")
+    lead = h.shape[:-1]
+    flat_h, flat_t = h.reshape(-1, h.shape[-1]), targets.reshape(-1)
+    if flat_h.shape[0] == 0:
+        return mx.zeros(lead, dtype=mx.float32)
+    logp, _ = _fused(head, chunk, float(skip_eps))(flat_h, flat_t)
+    return logp.reshape(lead)

@@ -1,0 +1,115 @@
+"""The one entry the trainer calls: ORPO loss, metrics and LoRA gradients of a micro-batch, by the engine's settings.
+
+head (naive | fused) x segment_layers (0 = plain backward) x prefix_sharing x attention (mlx | blockwise)
+compose freely. All naive, no segments, no sharing, mlx attention is the trainer's original path itself (full logits of [chosen; rejected] rows under
+nn.value_and_grad), so it stays bit-identical; every other setting goes through our stack forward.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from orpo.config import section_defaults
+from orpo.engine.head import LMHead, fused_logp, head_logits, lm_head_of
+from orpo.engine.prefix import PackedPairs, plain_rows, shared_rows
+from orpo.engine.segmented import segmented_value_and_grad
+from orpo.engine.stack import Stack
+from orpo.train.data import Pairs, pair_batch
+from orpo.train.head import response_mean_logps
+from orpo.train.loss import orpo_loss
+
+ENGINE_DEFAULTS: dict[str, Any] = section_defaults("train")["engine"]
+
+
+def resolve_engine(engine: dict[str, Any] | None) -> dict[str, Any]:
+    """Defaults overlaid with `engine`, checked (a clear error names the bad train.engine field)."""
+    e = {**ENGINE_DEFAULTS, **(engine or {})}
+    unknown = set(e) - set(ENGINE_DEFAULTS)
+    if unknown:
+        raise ValueError(f"train.engine: unknown settings {sorted(unknown)} (known: {sorted(ENGINE_DEFAULTS)})")
+    if e["head"] not in ("naive", "fused"):
+        raise ValueError(f"train.engine.head: {e['head']!r} is not one of naive, fused")
+    if int(e["segment_layers"]) < 0 or int(e["head_chunk"]) < 1 or float(e["softmax_skip_eps"]) < 0:
+        raise ValueError(f"train.engine: segment_layers >= 0, head_chunk >= 1, softmax_skip_eps >= 0 (got {e})")
+    if e["attention"] not in ("mlx", "blockwise") or int(e["attention_block"]) < 1:
+        raise ValueError(f"train.engine.attention: {e['attention']!r} must be one of mlx, blockwise and "
+                         f"train.engine.attention_block >= 1 (got {e['attention_block']})")
+    return e
+
+
+def is_plain(engine: dict[str, Any]) -> bool:
+    """Whether the settings ask for the trainer's original path (naive head, plain backward, no sharing, mlx attention)."""
+    return (engine["head"] == "naive" and int(engine["segment_layers"]) == 0 and not engine["prefix_sharing"]
+            and engine["attention"] == "mlx")
+
+
+def naive_pair_loss(model: nn.Module, tokens: mx.array, mask: mx.array, n: int, lam: float) -> tuple[mx.array, dict[str, mx.array]]:
+    """ORPO loss and metrics of a [chosen; rejected] batch of n pairs, full logits (the trainer's original loss)."""
+    logps = response_mean_logps(model, tokens, mask)
+    return orpo_loss(logps[:n], logps[n:], lam)
+
+
+def pack(pairs: Pairs, engine: dict[str, Any]) -> PackedPairs:
+    """The forward rows of `pairs`: one shared-prefix row per pair, or the plain [chosen; rejected] rows."""
+    return shared_rows(pairs) if engine["prefix_sharing"] else plain_rows(pairs)
+
+
+def packed_logps(head: LMHead, hidden: mx.array, packed: PackedPairs, engine: dict[str, Any]) -> mx.array:
+    """Mean response log-prob of each sequence [2B] (chosen rows, then rejected) from final hidden states."""
+    h = mx.take(hidden.reshape(-1, hidden.shape[-1]), packed.index, axis=0)
+    if engine["head"] == "fused":
+        logp = fused_logp(head, h, packed.targets, int(engine["head_chunk"]), float(engine["softmax_skip_eps"]))
+    else:
+        logits = head_logits(head, h).astype(mx.float32)
+        logp = mx.take_along_axis(logits, packed.targets[:, None], axis=-1)[:, 0] - mx.logsumexp(logits, axis=-1)
+    return packed.weights @ logp
+
+
+def pair_value_and_grad(model: nn.Module, pairs: Pairs, lam: float,
+                        engine: dict[str, Any] | None) -> tuple[tuple[mx.array, dict[str, mx.array]], Any]:
+    """((loss, metrics), grads) of the ORPO loss over all pairs; metrics as orpo_loss's plus prefix_fallbacks.
+
+    grads has the tree structure of model.trainable_parameters(), as nn.value_and_grad gives it.
+    prefix_fallbacks counts the pairs of this micro-batch whose prompts differ (no sharing for them).
+    """
+    e = resolve_engine(engine)
+    n = len(pairs)
+    if is_plain(e):
+        tokens, mask = pair_batch(pairs, list(range(n)))
+        (loss, metrics), grads = nn.value_and_grad(model, naive_pair_loss)(model, tokens, mask, n, lam)
+        return (loss, {**metrics, "prefix_fallbacks": mx.array(0.0)}), grads
+    packed = pack(pairs, e)
+    stack, head = Stack(model, e["attention"], int(e["attention_block"])), lm_head_of(model)
+
+    def loss_of_last(h: mx.array) -> tuple[mx.array, dict[str, mx.array]]:
+        logps = packed_logps(head, stack.norm(h), packed, e)
+        return orpo_loss(logps[:n], logps[n:], lam)
+
+    if int(e["segment_layers"]) > 0:
+        (loss, metrics), grads = segmented_value_and_grad(model, stack, packed.layout, loss_of_last, int(e["segment_layers"]))
+    else:
+        def whole() -> tuple[mx.array, dict[str, mx.array]]:
+            h = stack.embed(packed.layout.tokens)
+            masks = stack.masks(packed.layout, h)
+            with stack.positions(packed.layout):
+                return loss_of_last(stack.run(h, masks, 0, len(stack.layers)))
+
+        (loss, metrics), grads = nn.value_and_grad(model, whole)()
+    return (loss, {**metrics, "prefix_fallbacks": mx.array(float(packed.fallbacks))}), grads
+
+
+def pair_logps(model: nn.Module, pairs: Pairs, engine: dict[str, Any] | None) -> tuple[mx.array, mx.array]:
+    """Mean response log-probs (chosen [B], rejected [B]) without gradients, for validation."""
+    e = resolve_engine(engine)
+    n = len(pairs)
+    if e["head"] == "naive" and not e["prefix_sharing"]:  # segments only change the backward
+        logps = response_mean_logps(model, *pair_batch(pairs, list(range(n))))
+    else:
+        packed = pack(pairs, e)
+        stack = Stack(model)
+        logps = packed_logps(lm_head_of(model), stack.hidden(packed.layout), packed, e)
+    logps = mx.stop_gradient(logps)
+    return logps[:n], logps[n:]

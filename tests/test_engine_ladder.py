@@ -1,0 +1,198 @@
+"""The oracle ladder: naive two-forward ORPO -> each engine technique alone -> all together.
+
+Rung 0 is the trainer's original path (full logits of [chosen; rejected] rows under nn.value_and_grad,
+itself checked against a numpy ORPO in test_train_loss.py). Every engine setting must give its loss
+within LOSS_TOL (relative) and every LoRA gradient within GRAD_TOL in relative norm. Float32 on the CPU:
+the rungs differ only in summation order (measured: <= 2e-6 relative on the gradients).
+"""
+
+import json
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+from mlx.utils import tree_flatten, tree_map
+from test_engine_stack import random_pairs, tiny_model, with_unshared_pair
+
+from conftest import MATMUL_TOL, shortest_pairs
+from orpo.engine.objective import pair_logps, pair_value_and_grad, resolve_engine
+from orpo.train.data import pair_batch
+from orpo.train.head import response_mean_logps
+from orpo.train.keys import DropoutKeys
+from orpo.train.lora import adapter_weights, apply_lora
+from orpo.train.session import pair_loss
+from orpo.train.trainer import replay, train
+
+LOSS_TOL = 10 * MATMUL_TOL
+GRAD_TOL = 20 * MATMUL_TOL
+LAM = 0.25
+PLAIN = {"head": "naive", "segment_layers": 0, "prefix_sharing": False, "attention": "mlx"}
+# Each rung turns on exactly its technique(s) over the plain path (the schema's defaults turn some on).
+ENGINES = {name: {**PLAIN, **e} for name, e in {
+    "fused": {"head": "fused", "head_chunk": 7},
+    "segments_1": {"segment_layers": 1},
+    "segments_2_of_3": {"segment_layers": 2},  # 3 layers: segments [0, 2) and [2, 3)
+    "prefix": {"prefix_sharing": True},
+    "all": {"head": "fused", "head_chunk": 7, "segment_layers": 2, "prefix_sharing": True},
+}.items()}
+
+
+def lora_model(family: str, dropout: float = 0.0, num_layers: int = -1):
+    """A 3-layer tiny model with LoRA on attention and MLP; B non-zero so every LoRA weight gets a gradient."""
+    model = tiny_model(family, num_hidden_layers=3)
+    keys = DropoutKeys(7)
+    lora = {"rank": 4, "alpha": 8, "num_layers": num_layers, "dropout": dropout,
+            "target_modules": ["q_proj", "v_proj", "o_proj", "down_proj"]}
+    apply_lora(model, lora, 7, keys)
+    rng = np.random.default_rng(0)
+    model.load_weights([(k, mx.array(rng.normal(scale=0.05, size=v.shape).astype(np.float32)))
+                        for k, v in adapter_weights(model).items() if k.endswith("lora_b")], strict=False)
+    model.train()
+    keys.at(3, 1)
+    return model, keys
+
+
+def naive(model, pairs):
+    """Rung 0: the trainer's original loss and gradients."""
+    tokens, mask = pair_batch(pairs, list(range(len(pairs))))
+    return nn.value_and_grad(model, pair_loss)(model, tokens, mask, len(pairs), LAM)
+
+
+def assert_close(got, want, tol=GRAD_TOL):
+    (loss, metrics), grads = got
+    (want_loss, want_metrics), want_grads = want
+    assert tree_map(lambda _: 0, grads) == tree_map(lambda _: 0, want_grads)  # nn.value_and_grad's tree
+    assert loss.item() == pytest.approx(want_loss.item(), rel=LOSS_TOL)
+    for k in want_metrics:
+        assert metrics[k].item() == pytest.approx(want_metrics[k].item(), rel=LOSS_TOL, abs=LOSS_TOL), k
+    flat = dict(tree_flatten(grads))
+    for k, w in tree_flatten(want_grads):
+        w, g = np.array(w), np.array(flat[k])
+        assert np.linalg.norm(w) > 0, k  # a real gradient, not a zero that anything matches
+        assert np.linalg.norm(g - w) <= tol * np.linalg.norm(w), (k, np.linalg.norm(g - w) / np.linalg.norm(w))
+
+
+def test_plain_engine_is_the_trainer_path_bit_for_bit():
+    model, _ = lora_model("llama", dropout=0.1)
+    pairs = random_pairs(0, 3)
+    (loss, metrics), grads = pair_value_and_grad(model, pairs, LAM, PLAIN)
+    (want_loss, _), want = naive(model, pairs)
+    assert loss.item() == want_loss.item() and metrics["prefix_fallbacks"].item() == 0
+    for (k, g), (_, w) in zip(tree_flatten(grads), tree_flatten(want)):
+        assert np.array_equal(np.array(g), np.array(w)), k
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma2"])
+@pytest.mark.parametrize("engine", list(ENGINES))
+def test_each_rung_matches_the_naive_two_forward_orpo(family, engine):
+    model, _ = lora_model(family)
+    pairs = random_pairs(1, 3)
+    got = pair_value_and_grad(model, pairs, LAM, ENGINES[engine])
+    assert_close(got, naive(model, pairs))
+    assert got[0][1]["prefix_fallbacks"].item() == 0
+
+
+@pytest.mark.parametrize("engine", ["segments_1", "all"])
+def test_segmented_recompute_redraws_the_dropout_masks(engine):
+    """LoRA dropout 0.3: the segmented backward equals the plain backward of the same rows and masks."""
+    model, keys = lora_model("llama", dropout=0.3)
+    pairs = random_pairs(2, 3)
+    settings = ENGINES[engine]
+    unsegmented = {**settings, "segment_layers": 0}  # same layout, so the same dropout masks
+    want = pair_value_and_grad(model, pairs, LAM, unsegmented)
+    if not settings.get("prefix_sharing"):
+        assert_close(want, naive(model, pairs))  # rows [chosen; rejected]: the trainer's very masks
+    assert_close(pair_value_and_grad(model, pairs, LAM, settings), want)
+    # Control: other keys draw other masks, and that moves the gradient far beyond the tolerance
+    # (relative changes of order 1; on a GPU the tolerance itself is 0.02, hence the fixed 0.2 floor).
+    keys.at(3, 2)
+    other = dict(tree_flatten(pair_value_and_grad(model, pairs, LAM, unsegmented)[1]))
+    diffs = [np.linalg.norm(np.array(other[k]) - np.array(w)) / np.linalg.norm(np.array(w))
+             for k, w in tree_flatten(want[1])]
+    assert max(diffs) > max(0.2, 10 * GRAD_TOL)
+
+
+def test_unshared_prompts_fall_back_are_counted_and_stay_exact():
+    model, _ = lora_model("qwen3")
+    pairs = with_unshared_pair(random_pairs(3, 3), 4)
+    # A pair given as two full sequences whose prompts agree is detected as shared, not counted.
+    p, c, r = pairs.prompt[0], pairs.chosen[0], pairs.rejected[0]
+    pairs.ids.append("full_but_shared")
+    pairs.prompt.append([])
+    pairs.chosen.append(p + c)
+    pairs.rejected.append(p + r)
+    pairs.chosen_mask.append([0] * len(p) + pairs.chosen_mask[0])
+    pairs.rejected_mask.append([0] * len(p) + pairs.rejected_mask[0])
+    want = naive(model, pairs)
+    for engine in ("prefix", "all"):
+        got = pair_value_and_grad(model, pairs, LAM, ENGINES[engine])
+        assert got[0][1]["prefix_fallbacks"].item() == 1
+        assert_close(got, want)
+
+
+def test_lora_on_the_last_layer_only():
+    """Segments below the lowest LoRA layer are skipped in the backward; gradients still match."""
+    model, _ = lora_model("gemma2", num_layers=1)
+    pairs = random_pairs(5, 2)
+    for engine in ("segments_1", "all"):
+        assert_close(pair_value_and_grad(model, pairs, LAM, ENGINES[engine]), naive(model, pairs))
+
+
+@pytest.mark.parametrize("engine", list(ENGINES))
+def test_validation_logps_match_the_naive_head(engine):
+    model, _ = lora_model("gemma3_text")
+    model.eval()
+    pairs = with_unshared_pair(random_pairs(6, 3), 7)
+    want = np.array(response_mean_logps(model, *pair_batch(pairs, list(range(len(pairs))))))
+    chosen, rejected = pair_logps(model, pairs, ENGINES[engine])
+    np.testing.assert_allclose(np.concatenate([chosen, rejected]), want, rtol=LOSS_TOL)
+
+
+def test_engine_settings_are_checked():
+    with pytest.raises(ValueError, match="train.engine.head"):
+        resolve_engine({"head": "flash"})
+    with pytest.raises(ValueError, match=r"unknown settings \['segments'\]"):
+        resolve_engine({"segments": 2})
+
+
+ALL_ON = {"head": "fused", "head_chunk": 64, "segment_layers": 1, "prefix_sharing": True}
+
+
+def adapters(run) -> dict[str, np.ndarray]:
+    return {k: np.array(v) for k, v in mx.load(str(run / "adapters.safetensors")).items()}
+
+
+@pytest.fixture(scope="module")
+def short_rendered(tiny_rendered, tmp_path_factory):
+    return shortest_pairs(tiny_rendered, tmp_path_factory.mktemp("engine") / "rendered")
+
+
+def test_training_with_every_engine_option_ends_near_the_naive_run(tiny_base, short_rendered, tmp_path):
+    """Same settings, engine all on vs off: adapters and logged losses agree; the engine run replays bit-exactly."""
+    settings = {"batch_size": 2, "grad_accum": 2, "max_steps": 6, "checkpoint_every": 3, "log_every": 1,
+                "lr": 0.003, "lora": {"rank": 4, "alpha": 8}}
+    runs = {}
+    for name, engine in (("naive", PLAIN), ("engine", ALL_ON)):
+        runs[name] = tmp_path / name
+        train(tiny_base, short_rendered, runs[name], {**settings, "engine": engine})
+    a, b = adapters(runs["naive"]), adapters(runs["engine"])
+    for k in a:
+        # Measured 6.5e-6 on the CPU (summation order, through Adam); TF32 on CUDA is looser.
+        assert np.linalg.norm(b[k] - a[k]) <= 100 * MATMUL_TOL * np.linalg.norm(a[k]), k
+    logs = {n: [json.loads(x) for x in (r / "metrics.jsonl").read_text().splitlines()] for n, r in runs.items()}
+    train_logs = {n: [x for x in v if x["split"] == "train"] for n, v in logs.items()}
+    assert all(x["prefix_fallbacks"] == 0 for x in train_logs["engine"])
+    for x, y in zip(train_logs["naive"], train_logs["engine"], strict=True):
+        assert y["loss"] == pytest.approx(x["loss"], rel=1e-4) and y["tokens"] == x["tokens"]
+    assert replay(runs["engine"], tiny_base, short_rendered, "final", "zero")["equal"]
+
+
+def test_training_with_dropout_and_every_engine_option_replays(tiny_base, short_rendered, tmp_path):
+    """Dropout 0.2 + all engine options + accumulation: deterministic (replay from scratch is bit-exact), and B moves off zero."""
+    settings = {"batch_size": 2, "grad_accum": 2, "max_steps": 4, "checkpoint_every": 2, "log_every": 1,
+                "lr": 0.01, "lora": {"rank": 4, "alpha": 8, "dropout": 0.2}, "engine": ALL_ON}
+    run = tmp_path / "run"
+    train(tiny_base, short_rendered, run, settings)
+    assert replay(run, tiny_base, short_rendered, "final", "zero")["equal"]
+    assert max(np.abs(v).max() for k, v in adapters(run).items() if k.endswith("lora_b")) > 1e-3

@@ -1,0 +1,128 @@
+"""Our stack forward equals the model's for every family; prefix-shared rows give the hidden states of separate forwards."""
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+from mlx_lm.utils import _get_classes, quantize_model
+from test_train_models import COMMON, FAMILIES
+
+from conftest import MATMUL_TOL
+from orpo.engine.head import head_logits, lm_head_of
+from orpo.engine.prefix import plain_rows, shared_rows
+from orpo.engine.stack import Layout, Stack, UnsupportedModel
+from orpo.train.data import Pairs
+
+VOCAB = COMMON["vocab_size"]
+WINDOW = 8  # shorter than the test rows, so sliding-window layers really cut attention
+VARIANTS = {
+    **{f: {} for f in FAMILIES},
+    "gemma3_text": {"sliding_window": WINDOW},
+    "llama_sliding": {"layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+                      "sliding_window": WINDOW, "num_hidden_layers": 3},
+}
+
+
+def tiny_model(variant: str, **overrides) -> nn.Module:
+    """A tiny random mlx-lm model of a family (or variant), built with mlx-lm's own classes."""
+    family = "llama" if variant == "llama_sliding" else variant
+    config = {**COMMON, **FAMILIES[family], **VARIANTS[variant], **overrides}
+    model_class, args_class = _get_classes(config)
+    mx.random.seed(0)
+    model = model_class(args_class.from_dict(config))
+    mx.eval(model.parameters())
+    model.freeze()  # as training has it: the head is frozen
+    return model
+
+
+def random_pairs(seed: int, n: int = 3) -> Pairs:
+    """n pairs of random ids with differing prompt/response lengths; responses end in an unscored token."""
+    rng = np.random.default_rng(seed)
+
+    def ids(k: int) -> list[int]:
+        return [int(x) for x in rng.integers(1, VOCAB, k)]
+
+    prompts = [ids(int(rng.integers(3, 12))) for _ in range(n)]
+    chosen = [ids(int(rng.integers(2, 10))) for _ in range(n)]
+    rejected = [ids(int(rng.integers(2, 10))) for _ in range(n)]
+    scored = [[1] * (len(r) - 1) + [0] for r in chosen], [[1] * (len(r) - 1) + [0] for r in rejected]
+    return Pairs([f"p{i}" for i in range(n)], prompts, chosen, rejected, *scored)
+
+
+def with_unshared_pair(pairs: Pairs, seed: int) -> Pairs:
+    """`pairs` plus one pair given as two full sequences whose prompts differ (prefix sharing must fall back)."""
+    extra = random_pairs(seed, 2)
+    prompt_c, prompt_r = extra.prompt
+    return Pairs(pairs.ids + ["unshared"], pairs.prompt + [[]],
+                 pairs.chosen + [prompt_c + extra.chosen[0]], pairs.rejected + [prompt_r + extra.rejected[1]],
+                 pairs.chosen_mask + [[0] * len(prompt_c) + extra.chosen_mask[0]],
+                 pairs.rejected_mask + [[0] * len(prompt_r) + extra.rejected_mask[1]])
+
+
+@pytest.mark.parametrize("variant", [*VARIANTS, "llama_4bit"])
+def test_stack_forward_equals_the_model(variant):
+    model = tiny_model("llama" if variant == "llama_4bit" else variant)
+    if variant == "llama_4bit":
+        model, _ = quantize_model(model, {**COMMON, **FAMILIES["llama"]}, group_size=32, bits=4)
+    tokens = mx.array(np.random.default_rng(1).integers(0, VOCAB, (3, 2 * WINDOW + 5)), mx.int32)
+    stack = Stack(model)
+    hidden = stack.hidden(Layout(tokens))
+    # On plain rows every layer gets the model's own mask object: bit-identical hidden states.
+    assert np.array_equal(np.array(hidden), np.array(model.model(tokens)))
+    np.testing.assert_allclose(np.array(head_logits(lm_head_of(model), hidden)), np.array(model(tokens)),
+                               rtol=MATMUL_TOL, atol=MATMUL_TOL)
+    if variant in ("gemma3_text", "llama_sliding"):
+        assert WINDOW in stack.windows and None in stack.windows
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_shared_rows_give_the_hidden_states_of_separate_forwards(variant):
+    """Oracle: the plain [chosen; rejected] rows, i.e. two separate causal forwards per pair."""
+    model = tiny_model(variant)
+    pairs = with_unshared_pair(random_pairs(2, 4), 3)
+    stack = Stack(model)
+    plain, shared = plain_rows(pairs), shared_rows(pairs)
+    assert shared.fallbacks == 1 and plain.fallbacks == 0
+    assert np.array_equal(np.array(shared.targets), np.array(plain.targets))
+    np.testing.assert_allclose(np.array(shared.weights), np.array(plain.weights), rtol=1e-7)
+
+    def gathered(packed) -> np.ndarray:
+        h = stack.hidden(packed.layout)
+        return np.array(h.reshape(-1, h.shape[-1])[packed.index])
+
+    want = gathered(plain)
+    np.testing.assert_allclose(gathered(shared), want, rtol=10 * MATMUL_TOL, atol=10 * MATMUL_TOL)
+    # The prompt is computed once: each shared row is shorter than its pair's two sequences.
+    lengths = [len(p) + len(c) - 1 + len(r) - 1 for p, c, r in zip(pairs.prompt, pairs.chosen, pairs.rejected)]
+    assert shared.layout.tokens.shape[0] == len(pairs) and shared.layout.tokens.shape[1] < 2 * max(lengths)
+
+    # Controls: rejected positions not restarted, or rejected seeing chosen, change the hidden states.
+    lay = shared.layout
+    causal = mx.array(np.tril(np.ones(lay.visible.shape, bool)))
+    for broken in (Layout(lay.tokens, lay.positions, lay.visible, mx.zeros_like(lay.shifted), lay.shift),
+                   Layout(lay.tokens, lay.positions, causal, lay.shifted, lay.shift)):
+        h = stack.hidden(broken)
+        assert np.abs(np.array(h.reshape(-1, h.shape[-1])[shared.index]) - want).max() > 1e-3
+
+
+def test_sliding_window_uses_logical_positions():
+    """gemma3's local layers: a rejected token may see a prompt token within the window by logical distance only."""
+    pairs = random_pairs(4, 1)
+    pairs.prompt[0], pairs.chosen[0], pairs.chosen_mask[0] = pairs.prompt[0][:4], list(range(1, 20)), [1] * 19
+    layout = shared_rows(pairs).layout
+    pos, vis = np.array(layout.positions[0]), np.array(layout.visible[0])
+    q = int(np.nonzero(np.array(layout.shifted[0]))[0][0])  # rejected's first own token
+    assert pos[q] == 4 and q - 4 > WINDOW  # logically next to the prompt, physically far from it
+    masks = Stack(tiny_model("gemma3_text")).masks(layout, mx.zeros((1, pos.size, 1)))
+    local = np.array(masks[0])[0, 0]
+    assert local[q, :4].all() and not local[q, 4:q].any() and np.array_equal(local & vis, local)
+
+
+def test_unsupported_model_is_refused_with_its_type():
+    class Other(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.model = nn.Linear(2, 2)
+
+    with pytest.raises(UnsupportedModel, match="Other.*supported: llama"):
+        Stack(Other())

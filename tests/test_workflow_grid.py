@@ -1,0 +1,87 @@
+"""Experiment grids: experiments merge onto the config, shared stages are keyed by their settings and built once."""
+
+import re
+
+import pytest
+import yaml
+from test_workflow import MICRO, job_counts, snakemake
+
+from orpo.config import ConfigError, validate_config
+from orpo.experiments import Layout, expand, stage_keys
+
+UPSTREAM = ("data", "base", "curate", "render", "generate_base_ifeval")
+
+
+def outputs(result) -> list[str]:
+    """Every output path of a dry run's job listing."""
+    text = result.stdout + result.stderr
+    return [p for line in re.findall(r"^\s+output: (.+)$", text, re.MULTILINE) for p in line.split(", ")]
+
+
+def test_two_lambdas_compute_upstream_once_and_train_to_ifeval_twice(tmp_path):
+    (tmp_path / "micro.yaml").write_text(yaml.safe_dump(MICRO))
+    grid = {"experiments": {"lam01": {"train": {"lambda": 0.1}}, "lam05": {"train": {"lambda": 0.5}}}}
+    (tmp_path / "grid.yaml").write_text(yaml.safe_dump(grid))
+    result = snakemake(tmp_path, "-n", config=("micro.yaml", "grid.yaml"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert job_counts(result) == {"data": 1, "base": 1, "curate": 1, "render": 1, "generate_base": 1,
+                                  "train": 2, "replay": 2, "generate_orpo": 2, "ifeval": 2, "plots": 2, "all": 1}
+    paths = outputs(result)
+    assert {"results/lam01/ifeval.json", "results/lam05/ifeval.json",
+            "results/lam01/train/run", "results/lam05/train/run"} <= set(paths)
+    shared = [p for p in paths if p.startswith("results/shared/")]
+    assert len(shared) == 5 and all(re.match(r"results/shared/[0-9a-f]{10}/", p) for p in shared)
+
+
+def full(config: dict) -> dict:
+    return validate_config(yaml.safe_load(yaml.safe_dump(config)))
+
+
+def test_no_experiments_is_the_flat_layout():
+    layout = Layout(full(MICRO))
+    assert not layout.grid and list(layout.configs) == [""]
+    assert layout.curated("") == "results/curated" and layout.path("", "ifeval.json") == "results/ifeval.json"
+    assert layout.model_ref("") == "results/base/model" and layout.raw("") == "results/data/raw.jsonl"
+
+
+def test_experiments_merge_onto_the_config_and_a_grid_crosses_them():
+    config = full({**MICRO, "experiments": {"h4": {"curate": {"recipe": "h4"}},
+                                            "argilla": {"curate": {"recipe": "argilla_clean"}}},
+                   "grid": {"train.lambda": [0.1, 0.5], "train.seed": [0, 1]}})
+    exps = expand(config)
+    assert len(exps) == 8 and "h4_lambda0.1_seed0" in exps and "argilla_lambda0.5_seed1" in exps
+    e = exps["argilla_lambda0.5_seed1"]
+    assert (e["curate"]["recipe"], e["train"]["lambda"], e["train"]["seed"]) == ("argilla_clean", 0.5, 1)
+    # Untouched keys keep the top-level values, defaults included.
+    assert e["train"]["lora"] == config["train"]["lora"] and e["data"] == config["data"]
+
+
+def test_shared_stage_keys_follow_exactly_the_settings_each_stage_reads():
+    base = full(MICRO)
+    lam = stage_keys(full({**MICRO, "train": {**MICRO["train"], "lambda": 0.5}}))
+    assert lam == stage_keys(base)  # training settings reach no shared stage
+    recipe = stage_keys(full({**MICRO, "curate": {**MICRO["curate"], "recipe": "argilla_clean"}}))
+    changed = {k for k in recipe if recipe[k] != stage_keys(base)[k]}
+    # The judge's questions are the curated validation prompts; the base model and its IFEval answers stay.
+    assert changed == {"curate", "render", "judge_prompts", "generate_base_judge"}
+    rows = stage_keys(full({**MICRO, "data": {"rows": 100}}))
+    assert all(rows[k] != stage_keys(base)[k] for k in UPSTREAM)  # new data: a new base model, everything after
+
+
+@pytest.mark.parametrize(
+    "experiments, message",
+    [
+        ({"a": {"train": {"lrr": 1}}}, "experiment a: unknown key train.lrr"),
+        ({"b": {"train": {"lambda": "x"}}}, "experiment b: train.lambda: 'x' is not of type 'number'"),
+        ({"shared": {}}, "'shared' is not a usable experiment name"),
+    ],
+)
+def test_a_bad_experiment_is_named_in_the_error(experiments, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        expand(full({**MICRO, "experiments": experiments}))
+
+
+def test_a_bad_experiment_stops_the_workflow_with_its_name(tmp_path):
+    (tmp_path / "micro.yaml").write_text(yaml.safe_dump({**MICRO, "experiments": {"a": {"train": {"lrr": 1}}}}))
+    result = snakemake(tmp_path, "-n")
+    assert result.returncode != 0 and "experiment a: unknown key train.lrr" in result.stdout + result.stderr

@@ -9,10 +9,6 @@ tokens/s. Peak is mx.get_peak_memory() over the timed steps; "extra" is peak min
 resident when they start (weights, adapters, inputs). Ratios are to the row's baseline measured in the
 same run. `head` cases time the log-prob head alone: hidden [M, H] -> mean log-prob, gradient w.r.t. hidden.
 
-Until orpo/engine/objective.py imports, only the all-naive variants run (through the trainer's own
-nn.value_and_grad over orpo.train.session.pair_loss, behind the same signature); the others are listed
-as skipped with the reason.
-
     .venv/bin/python bench/engine.py --shape cpu-small [--json OUT.json]
     python bench/engine.py --shape h200 --json $OUT/engine.json          # on the GPU (see bench/gpu_wheels.md)
 """
@@ -46,19 +42,11 @@ from engine_shapes import (
     ratio_checks,
 )
 
+from orpo.blas import reexec_with_openblas
 from orpo.config import section_defaults
 from orpo.train.data import Pairs, pair_batch
 
-try:
-    from orpo.train.session import pair_loss
-except ImportError:  # session.py imports the engine once it is wired in; the naive loss itself needs neither
-    from orpo.train.head import response_mean_logps
-    from orpo.train.loss import orpo_loss
-
-    def pair_loss(model: nn.Module, tokens: mx.array, mask: mx.array, n: int, lam: float) -> tuple[mx.array, dict]:
-        """orpo.train.session.pair_loss's body: full-logits mean response log-probs, then the ORPO loss."""
-        logps = response_mean_logps(model, tokens, mask)
-        return orpo_loss(logps[:n], logps[n:], lam)
+from orpo.engine.objective import naive_pair_loss as pair_loss
 
 # The engine modules are being built alongside this script: use them when they import, say why not otherwise.
 try:
@@ -261,18 +249,6 @@ def environment() -> dict[str, Any]:
     return env
 
 
-def _reexec_with_openblas() -> None:
-    """On Linux CPU, restart once with OpenBLAS preloaded (children inherit it); the bundled BLAS is ~35x slower."""
-    from orpo.blas import preload_value
-
-    if os.environ.get("_ORPO_BLAS_DONE") == "1":
-        return
-    os.environ["_ORPO_BLAS_DONE"] = "1"
-    value = preload_value()
-    if value and value != os.environ.get("LD_PRELOAD", ""):
-        os.execve(sys.executable, [sys.executable, *sys.argv], dict(os.environ, LD_PRELOAD=value))
-
-
 def _row(name: str, baseline: str | None, result: dict[str, Any]) -> dict[str, Any]:
     """A table row from a case's result: a note instead of numbers where it was skipped or failed."""
     note = f"skipped: {result['skipped']}" if "skipped" in result else (
@@ -355,7 +331,7 @@ def main() -> None:
               + (f" ({env['gpu']})" if env.get("gpu") else ""))
         report(saved["suite"], saved["cases"], a.peer, saved["seconds"])
         return
-    _reexec_with_openblas()
+    reexec_with_openblas([], sys.argv)
 
     suite = SUITES[a.shape]
     a.steps = a.steps or suite.steps

@@ -106,6 +106,8 @@ def _main_cases(shape: Shape, segment_layers: int) -> list[Case]:
         Case(f"segmented-{segment_layers}", shape, engine=seg),
         Case("prefix", shape, engine={"prefix_sharing": True}),
         Case("all", shape, engine={"head": "fused", **seg, "prefix_sharing": True}),
+        # The memory end of the trade-off: one layer per segment, small head chunks.
+        Case("all-lean", shape, engine={"head": "fused", "head_chunk": 256, "segment_layers": 1, "prefix_sharing": True}),
         Case("blockwise-attn", shape, engine={"attention": "blockwise"}),
         Case("all+attn", shape, engine={"head": "fused", **seg, "prefix_sharing": True, "attention": "blockwise"}),
     ]

@@ -18,19 +18,9 @@ import sys
 import time
 from pathlib import Path
 
+from orpo.blas import reexec_with_openblas
+
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def _reexec_with_openblas() -> None:
-    """On Linux CPU, restart once with OpenBLAS preloaded (the wheel's bundled BLAS is ~35x slower)."""
-    from orpo.blas import preload_value
-
-    if os.environ.get("_ORPO_BLAS_DONE") == "1":
-        return
-    os.environ["_ORPO_BLAS_DONE"] = "1"
-    value = preload_value()
-    if value and value != os.environ.get("LD_PRELOAD", ""):
-        os.execve(sys.executable, [sys.executable, *sys.argv], dict(os.environ, LD_PRELOAD=value))
 
 
 def _timed_batched(gen, ids: list[list[int]], batch_size: int, max_tokens: int) -> tuple[int, float]:
@@ -76,7 +66,7 @@ def main() -> None:
     if a.model == ap.get_default("model") and not Path(a.model).is_dir():
         sys.exit(f"no model at {a.model}: build the embedded base model first "
                  "(.venv/bin/snakemake results/base/model --profile workflow/profiles/default) or pass --model PATH")
-    _reexec_with_openblas()
+    reexec_with_openblas([], sys.argv)
 
     import mlx.core as mx
 

@@ -63,8 +63,11 @@ def preload_value() -> str:
     return f"{lib} {current}".strip()
 
 
-def reexec_with_openblas(argv: list[str]) -> None:
-    """Re-execute this Python process with OpenBLAS preloaded, once; returns if nothing is to be done."""
+def reexec_with_openblas(argv: list[str], command: list[str] | None = None) -> None:
+    """Re-execute this Python process with OpenBLAS preloaded, once; returns if nothing is to be done.
+
+    The new process runs `python -m orpo.cli ARGV`, or `python COMMAND` (e.g. a script path plus argv).
+    """
     if os.environ.get("_ORPO_BLAS_DONE") == "1":
         return
     value = preload_value()
@@ -74,7 +77,7 @@ def reexec_with_openblas(argv: list[str]) -> None:
     env = dict(os.environ, LD_PRELOAD=value)
     sys.stdout.flush()
     sys.stderr.flush()
-    os.execve(sys.executable, [sys.executable, "-m", "orpo.cli", *argv], env)
+    os.execve(sys.executable, [sys.executable, *(command or ["-m", "orpo.cli", *argv])], env)
 
 
 def describe() -> str:

@@ -46,8 +46,12 @@ class LoRALinear(nn.Module):
         y = self.linear(x)
         if self.training and self.p > 0:
             x = keyed_dropout(x, self.p, self._keys.key(self.index))
-        z = (x @ self.lora_a) @ self.lora_b
-        return y + (self.scale * z).astype(x.dtype)
+        # Float32 master weights, computed in the activation dtype (as mixed-precision autocast does): a
+        # float32 LoRA path on a bf16 model would upcast x and z for every projection and keep those copies
+        # for the backward (measured on an H200: most of the activation memory and much of the step time).
+        dt = x.dtype
+        z = (x @ self.lora_a.astype(dt)) @ self.lora_b.astype(dt)
+        return y + (self.scale * z).astype(dt)
 
 
 def block_keys(model: nn.Module, targets: list[str]) -> list[str]:

@@ -15,6 +15,7 @@ from mlx_lm.utils import load_model
 
 from orpo.batching import batch_schedule
 from orpo.config import section_defaults
+from orpo.engine.objective import naive_pair_loss as pair_loss  # the naive oracle, kept under its old name
 from orpo.engine.objective import pair_logps, pair_value_and_grad
 from orpo.io import sha256_file
 from orpo.optim import current_lr, lora_adamw, warmup_steps_for
@@ -22,7 +23,6 @@ from orpo.render.template import resolve_model_dir
 from orpo.train.accumulate import accumulate_grads
 from orpo.train.data import Pairs, load_pairs, pair_lengths
 from orpo.train.distributed import Shard, join
-from orpo.train.head import response_mean_logps
 from orpo.train.keys import DropoutKeys
 from orpo.train.lora import adapter_folder, apply_lora, warm_start
 from orpo.train.loss import orpo_loss
@@ -113,12 +113,6 @@ class Session:
         _, metrics = orpo_loss(mx.concatenate(lw), mx.concatenate(lr), self.s["lambda"])
         mx.eval(metrics)
         return {k: round(v.item(), 6) for k, v in metrics.items()}
-
-
-def pair_loss(model: nn.Module, tokens: mx.array, mask: mx.array, n: int, lam: float) -> tuple[mx.array, dict[str, mx.array]]:
-    """ORPO loss and metrics of a [chosen; rejected] batch of n pairs (the naive head)."""
-    logps = response_mean_logps(model, tokens, mask)
-    return orpo_loss(logps[:n], logps[n:], lam)
 
 
 def build_session(base_dir: str | Path, rendered_dir: str | Path, settings: dict[str, Any]) -> Session:

@@ -130,11 +130,16 @@ def _head_suite(base: Shape, small_vocab: int, large_vocab: int, tokens: int, ch
         Case(f"fused-V{s}", small, "head", {"head": "fused", "head_chunk": chunk}, baseline=f"naive-V{s}"),
         Case(f"fused-V{l}", large, "head", {"head": "fused", "head_chunk": chunk}, baseline=f"naive-V{l}"),
         Case(f"fused-V{l}-c{scaled}", large, "head", {"head": "fused", "head_chunk": scaled}, baseline=f"naive-V{l}"),
+        # The default: head_chunk 0 sizes chunks by the vocabulary (orpo.engine.head.chunk_for).
+        Case(f"fused-V{s}-auto", small, "head", {"head": "fused", "head_chunk": 0}, baseline=f"naive-V{s}"),
+        Case(f"fused-V{l}-auto", large, "head", {"head": "fused", "head_chunk": 0}, baseline=f"naive-V{l}"),
     ]
     checks = [Check(f"fused head peak, V={l} vs V={s} ({tokens} tokens, chunk {chunk})", m,
                     f"fused-V{l}", f"fused-V{s}", "<=", 1.1) for m in ("peak_gb", "extra_gb")]
     checks += [Check(f"fused head peak, V={l} chunk {scaled} vs V={s} chunk {chunk}", m,
                      f"fused-V{l}-c{scaled}", f"fused-V{s}", "<=", 1.1) for m in ("peak_gb", "extra_gb")]
+    checks += [Check(f"fused head peak, V={l} vs V={s}, auto chunk (the default)", m,
+                     f"fused-V{l}-auto", f"fused-V{s}-auto", "<=", 1.1) for m in ("peak_gb", "extra_gb")]
     return Suite(cases, checks, peer=False)
 
 

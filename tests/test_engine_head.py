@@ -8,7 +8,7 @@ import pytest
 from mlx.utils import tree_flatten
 from mlx_lm.utils import _get_classes, load_model, quantize_model
 
-from orpo.engine.head import LMHead, _fused, fused_logp, head_logits, lm_head_of
+from orpo.engine.head import AUTO_BLOCK_LOGITS, LMHead, _fused, chunk_for, fused_logp, head_logits, lm_head_of
 from orpo.train.data import load_pairs, pair_batch
 
 from conftest import MATMUL_TOL
@@ -203,7 +203,7 @@ def test_leading_dims_flatten_and_bad_input_is_named():
     with pytest.raises(ValueError, match="targets int"):
         fused_logp(head, h, t.astype(mx.float32))
     with pytest.raises(ValueError, match="chunk"):
-        fused_logp(head, h, t, chunk=0)
+        fused_logp(head, h, t, chunk=-1)  # 0 is auto (chunk_for)
 
 
 # --- the model's own head: lm_head_of + head_logits == model(tokens) ---
@@ -389,3 +389,11 @@ def test_fused_backward_peak_does_not_grow_with_tokens():
     assert peaks["naive", 64] > 3 * peaks["naive", 16]
     assert peaks["fused", 64] < peaks["naive", 64] / 4
     assert peaks["fused", 64] < 16 * block
+
+
+def test_auto_chunk_holds_the_block_size_across_vocabularies():
+    """head_chunk 0: a [chunk, V] block holds ~2^26 logits at 32k and at 256k (the fixed chunk grows 8x)."""
+    sizes = {v: chunk_for(v, 0) * v for v in (32_000, 128_256, 256_000)}
+    assert all(0.9 * AUTO_BLOCK_LOGITS <= n <= AUTO_BLOCK_LOGITS for n in sizes.values()), sizes
+    assert chunk_for(256_000, 0) < chunk_for(32_000, 0) and chunk_for(32_000, 7) == 7
+    assert chunk_for(10**9, 0) == 16  # never fewer than 16 tokens per chunk

@@ -31,6 +31,7 @@ PLAIN = {"head": "naive", "segment_layers": 0, "prefix_sharing": False, "attenti
 # Each rung turns on exactly its technique(s) over the plain path (the schema's defaults turn some on).
 ENGINES = {name: {**PLAIN, **e} for name, e in {
     "fused": {"head": "fused", "head_chunk": 7},
+    "fused_auto_chunk": {"head": "fused", "head_chunk": 0},
     "segments_1": {"segment_layers": 1},
     "segments_2_of_3": {"segment_layers": 2},  # 3 layers: segments [0, 2) and [2, 3)
     "prefix": {"prefix_sharing": True},

@@ -196,12 +196,24 @@ def _fused(head: LMHead, chunk: int, skip_eps: float) -> Callable:
     return logp_lse
 
 
+# Auto chunking: about this many logits per [chunk, V] block (2^26 float32 = 256 MB), so the head's
+# peak stays the same whatever the vocabulary (a fixed token count per chunk grows with V).
+AUTO_BLOCK_LOGITS = 2**26
+
+
+def chunk_for(vocab_size: int, chunk: int) -> int:
+    """Tokens per chunk: `chunk` itself, or for 0 (auto) the count whose [chunk, V] block holds ~2^26 logits."""
+    return chunk if chunk != 0 else max(16, AUTO_BLOCK_LOGITS // vocab_size // 16 * 16)
+
+
 def fused_logp(head: LMHead, h: mx.array, targets: mx.array, chunk: int = 1024, skip_eps: float = 0.0) -> mx.array:
     """log softmax(softcap(h W^T))[target] per token, float32, token-chunked; differentiable w.r.t. h only.
 
     h [..., H] (any float dtype) and targets [...] (int) give logp [...]. The backward recomputes one
-    [chunk, V] block at a time; `skip_eps` > 0 treats softmax probabilities below it as 0 there.
+    [chunk, V] block at a time (chunk 0: `chunk_for`'s vocabulary-scaled size); `skip_eps` > 0 treats
+    softmax probabilities below it as 0 there.
     """
+    chunk = chunk_for(head.vocab_size, chunk)
     if h.ndim < 1 or h.shape[-1] != head.hidden_size:
         raise ValueError(f"fused_logp: h has shape {tuple(h.shape)}, expected [..., {head.hidden_size}] "
                          "(the head's hidden size)")

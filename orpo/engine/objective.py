@@ -32,8 +32,8 @@ def resolve_engine(engine: dict[str, Any] | None) -> dict[str, Any]:
         raise ValueError(f"train.engine: unknown settings {sorted(unknown)} (known: {sorted(ENGINE_DEFAULTS)})")
     if e["head"] not in ("naive", "fused"):
         raise ValueError(f"train.engine.head: {e['head']!r} is not one of naive, fused")
-    if int(e["segment_layers"]) < 0 or int(e["head_chunk"]) < 1 or float(e["softmax_skip_eps"]) < 0:
-        raise ValueError(f"train.engine: segment_layers >= 0, head_chunk >= 1, softmax_skip_eps >= 0 (got {e})")
+    if int(e["segment_layers"]) < 0 or int(e["head_chunk"]) < 0 or float(e["softmax_skip_eps"]) < 0:
+        raise ValueError(f"train.engine: segment_layers >= 0, head_chunk >= 0, softmax_skip_eps >= 0 (got {e})")
     if e["attention"] not in ("mlx", "blockwise") or int(e["attention_block"]) < 1:
         raise ValueError(f"train.engine.attention: {e['attention']!r} must be one of mlx, blockwise and "
                          f"train.engine.attention_block >= 1 (got {e['attention_block']})")

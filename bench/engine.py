@@ -44,66 +44,18 @@ from engine_shapes import (
 
 from orpo.blas import reexec_with_openblas
 from orpo.config import section_defaults
-from orpo.train.data import Pairs, pair_batch
+from orpo.train.data import Pairs
 
-from orpo.engine.objective import naive_pair_loss as pair_loss
-
-# The engine modules are being built alongside this script: use them when they import, say why not otherwise.
-try:
-    from orpo.engine.objective import pair_value_and_grad as _engine_value_and_grad
-    OBJECTIVE_MISSING: str | None = None
-except Exception as err:  # ImportError, or a half-written module raising anything at import
-    _engine_value_and_grad = None
-    OBJECTIVE_MISSING = f"orpo.engine.objective does not import ({type(err).__name__}: {err})"
-try:
-    from orpo.engine.head import fused_logp, lm_head_of
-    HEAD_MISSING: str | None = None
-except Exception as err:
-    fused_logp = lm_head_of = None
-    HEAD_MISSING = f"orpo.engine.head does not import ({type(err).__name__}: {err})"
+from orpo.engine.head import fused_logp, lm_head_of
+from orpo.engine.objective import PLAIN, pair_value_and_grad
 
 # Every case starts from the naive engine (not the schema's defaults, which switch techniques on), so
 # "naive" is the plain path and each other case names exactly the techniques it turns on.
-ENGINE_DEFAULTS: dict[str, Any] = {**section_defaults("train")["engine"], "head": "naive", "segment_layers": 0,
-                                   "prefix_sharing": False, "attention": "mlx"}
+ENGINE_DEFAULTS: dict[str, Any] = {**section_defaults("train")["engine"], **PLAIN}
 LORA = {**section_defaults("train")["lora"], "rank": 16, "dropout": 0.0,
         "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]}
 LAMBDA = 0.1
 GB = 1e9
-
-
-class Skipped(Exception):
-    """This variant cannot run here (its engine module is missing); the message says why."""
-
-
-def naive_pair_value_and_grad(model: nn.Module, pairs: Pairs, lam: float, engine: dict[str, Any]) -> tuple[Any, Any]:
-    """The trainer's naive path (full logits, two forwards) behind objective.pair_value_and_grad's signature."""
-    tokens, mask = pair_batch(pairs, list(range(len(pairs))))
-    return nn.value_and_grad(model, pair_loss)(model, tokens, mask, len(pairs), lam)
-
-
-def is_naive(engine: dict[str, Any]) -> bool:
-    """Whether the settings are the trainer's original path (what the fallback computes)."""
-    return engine["head"] == "naive" and int(engine["segment_layers"]) == 0 and not engine["prefix_sharing"]
-
-
-def step_function(engine: dict[str, Any]) -> tuple[Callable, str]:
-    """(value_and_grad function, its label): the engine's objective, or the naive fallback for all-naive settings."""
-    if _engine_value_and_grad is not None:
-        return _engine_value_and_grad, "engine.objective"
-    if is_naive(engine):
-        return naive_pair_value_and_grad, "session.pair_loss"
-    raise Skipped(OBJECTIVE_MISSING)
-
-
-def skip_reason(case: Case) -> str | None:
-    """Why a case cannot run in this checkout (decided before spawning its process), or None."""
-    engine = {**ENGINE_DEFAULTS, **case.engine}
-    if case.kind == "head":
-        return HEAD_MISSING if engine["head"] == "fused" else None
-    if _engine_value_and_grad is None and not is_naive(engine):
-        return OBJECTIVE_MISSING
-    return None
 
 
 def build_model(shape: Shape, seed: int, layers: int | None = None) -> nn.Module:
@@ -148,13 +100,12 @@ def run_step_case(case: Case, steps: int, warmup: int, seed: int) -> dict[str, A
     from orpo.train.lora import apply_lora
 
     engine = {**ENGINE_DEFAULTS, **case.engine}
-    fn, path = step_function(engine)
     model = build_model(case.shape, seed)
     apply_lora(model, LORA, seed)
     model.train()
     pairs = random_pairs(case.shape, seed)
-    out, ((loss, _), _) = _timed(lambda: fn(model, pairs, LAMBDA, engine), steps, warmup)
-    return {**out, "path": path, "loss": loss.item(), "tokens_per_s": case.shape.two_forward_tokens() / out["step_s"]}
+    out, ((loss, _), _) = _timed(lambda: pair_value_and_grad(model, pairs, LAMBDA, engine), steps, warmup)
+    return {**out, "path": "engine.objective", "loss": loss.item(), "tokens_per_s": case.shape.two_forward_tokens() / out["step_s"]}
 
 
 def run_head_case(case: Case, steps: int, warmup: int, seed: int) -> dict[str, Any]:
@@ -171,8 +122,6 @@ def run_head_case(case: Case, steps: int, warmup: int, seed: int) -> dict[str, A
     targets = mx.random.randint(0, shape.vocab, (m,), key=key_t)
     mx.eval(h, targets)
     if engine["head"] == "fused":
-        if fused_logp is None:
-            raise Skipped(HEAD_MISSING)
         head, path = lm_head_of(model), f"engine.head c{engine['head_chunk']}"
         loss = lambda x: fused_logp(head, x, targets, int(engine["head_chunk"]),
                                     float(engine["softmax_skip_eps"])).mean()
@@ -188,12 +137,8 @@ def run_head_case(case: Case, steps: int, warmup: int, seed: int) -> dict[str, A
 def child_main(case_json: str, steps: int, warmup: int, seed: int) -> None:
     """Run one case in this process and print its result as the last line of JSON."""
     case = Case.from_json(json.loads(case_json))
-    try:
-        runner = run_head_case if case.kind == "head" else run_step_case
-        result = runner(case, steps, warmup, seed)
-    except Skipped as why:
-        result = {"skipped": str(why)}
-    print(json.dumps(result), flush=True)
+    runner = run_head_case if case.kind == "head" else run_step_case
+    print(json.dumps(runner(case, steps, warmup, seed)), flush=True)
 
 
 def run_case(case: Case, steps: int, warmup: int, seed: int, timeout: int) -> dict[str, Any]:
@@ -250,9 +195,8 @@ def environment() -> dict[str, Any]:
 
 
 def _row(name: str, baseline: str | None, result: dict[str, Any]) -> dict[str, Any]:
-    """A table row from a case's result: a note instead of numbers where it was skipped or failed."""
-    note = f"skipped: {result['skipped']}" if "skipped" in result else (
-        f"failed: {result['failed']}" if "failed" in result else None)
+    """A table row from a case's result: a note instead of numbers where it failed."""
+    note = f"failed: {result['failed']}" if "failed" in result else None
     return {"name": name, "baseline": baseline, "note": note, **result}
 
 
@@ -277,8 +221,7 @@ def measure(cases: list[Case], steps: int, warmup: int, seed: int, timeout: int,
     """Each case's record (its JSON form plus 'result'), one subprocess per case; progress printed and saved as it goes."""
     records = []
     for case in cases:
-        reason = skip_reason(case)
-        result = {"skipped": reason} if reason else run_case(case, steps, warmup, seed, timeout)
+        result = run_case(case, steps, warmup, seed, timeout)
         row = _row(case.name, case.baseline, result)
         print(f"  {case.name}: " + (row["note"] or f"{result['tokens_per_s']:.0f} tokens/s, peak {result['peak_gb']:.3f} GB"),
               flush=True)
@@ -299,9 +242,6 @@ def report(suite_name: str, records: list[dict[str, Any]], peer: str | None, sec
     if checks:
         print("targets:")
         print(format_checks(checks))
-    skipped = [r["name"] for r in rows if (r.get("note") or "").startswith("skipped")]
-    if skipped:
-        print(f"skipped {len(skipped)} variant(s) ({', '.join(skipped)}): their engine modules do not import here")
     return checks
 
 

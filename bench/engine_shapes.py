@@ -232,7 +232,7 @@ def _ratio(row: dict[str, Any], base: dict[str, Any], key: str) -> str:
 def format_table(rows: list[dict[str, Any]], title: str) -> str:
     """The table both benchmarks print: tokens/s, peak and extra memory, each with its ratio to the row's baseline.
 
-    A row: name, path, tokens_per_s, peak_gb, extra_gb, step_s, baseline (name), note (why skipped/failed).
+    A row: name, path, tokens_per_s, peak_gb, extra_gb, step_s, baseline (name), note (why it failed).
     """
     by_name = {r["name"]: r for r in rows}
     head = f"{'variant':<26}{'path':<24}{'tokens/s':>11}{'x base':>8}{'peak GB':>9}{'x base':>8}" \

@@ -16,8 +16,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx.utils import tree_flatten
-from mlx_lm.models import llama
 
 from engine_shapes import SUITES  # noqa: E402
 
@@ -39,13 +37,11 @@ def main() -> None:
     shape = SUITES[a.shape].cases[0].shape
     dtype = getattr(mx, shape.dtype)
     from orpo.config import section_defaults
+    from engine import LORA, build_model  # the same model and adapters as bench/engine.py's step cases
     from orpo.engine.attention import blockwise_attention
     from orpo.train.lora import apply_lora
-    mx.random.seed(0)
-    model = llama.Model(llama.ModelArgs.from_dict({"model_type": "llama", **shape.llama_config()}))
-    model.set_dtype(dtype)
-    model.freeze()
-    apply_lora(model, {**section_defaults("train")["lora"], "rank": 16, "dropout": 0.0}, 0)
+    model = build_model(shape, 0)
+    apply_lora(model, LORA, 0)
     B, T = 2 * shape.pairs, shape.prompt + shape.response - 1
     x = mx.random.randint(0, shape.vocab, (B, T))
     mx.eval(model.parameters(), x)

@@ -16,18 +16,17 @@ from mlx.utils import tree_flatten, tree_map
 from test_engine_stack import random_pairs, tiny_model, with_unshared_pair
 
 from conftest import MATMUL_TOL, shortest_pairs
-from orpo.engine.objective import pair_logps, pair_value_and_grad, resolve_engine
+from orpo.engine.objective import PLAIN, pair_logps, pair_value_and_grad, resolve_engine
 from orpo.train.data import pair_batch
 from orpo.train.head import response_mean_logps
 from orpo.train.keys import DropoutKeys
 from orpo.train.lora import adapter_weights, apply_lora
-from orpo.train.session import pair_loss
+from orpo.engine.objective import naive_pair_loss as pair_loss
 from orpo.train.trainer import replay, train
 
 LOSS_TOL = 10 * MATMUL_TOL
 GRAD_TOL = 20 * MATMUL_TOL
 LAM = 0.25
-PLAIN = {"head": "naive", "segment_layers": 0, "prefix_sharing": False, "attention": "mlx"}
 # Each rung turns on exactly its technique(s) over the plain path (the schema's defaults turn some on).
 ENGINES = {name: {**PLAIN, **e} for name, e in {
     "fused": {"head": "fused", "head_chunk": 7},

@@ -4,11 +4,13 @@ import json
 from pathlib import Path
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 import pytest
 from mlx.utils import tree_flatten, tree_map
 from mlx_lm.models import llama
 
+from orpo.engine.objective import naive_pair_loss
 from orpo.train.accumulate import accumulate_grads
 from orpo.train.data import pair_batch
 from orpo.train.lora import adapter_weights
@@ -24,6 +26,11 @@ def flat(tree) -> dict[str, np.ndarray]:
     return {k: np.array(v) for k, v in tree_flatten(tree)}
 
 
+def naive_value_and_grad(sess):
+    """The plain full-logits ORPO loss and LoRA gradients of a session's model (rows given as tokens + mask)."""
+    return nn.value_and_grad(sess.model, naive_pair_loss)
+
+
 def test_accumulated_gradient_equals_the_full_batch_gradient(tiny_base, tiny_rendered):
     sess = build_session(tiny_base, tiny_rendered, {"batch_size": 2, "grad_accum": 4, "max_steps": 2, "lora": LORA})
     # Non-zero B, so A gets gradient too (at B = 0 its gradient is exactly 0 on both paths).
@@ -34,13 +41,14 @@ def test_accumulated_gradient_equals_the_full_batch_gradient(tiny_base, tiny_ren
     assert [len(p) for p in parts] == [2, 2, 2, 2]
     widths = {pair_batch(sess.train, p)[0].shape[1] for p in parts}
 
+    loss_and_grad = naive_value_and_grad(sess)
     tokens, mask = pair_batch(sess.train, sess.schedule[0])
-    (loss, _), full = sess.loss_and_grad(sess.model, tokens, mask, 8, 0.1)
+    (loss, _), full = loss_and_grad(sess.model, tokens, mask, 8, 0.1)
     full = flat(full)
 
     def micro(j):
         t, m = pair_batch(sess.train, parts[j])
-        (_, metrics), grads = sess.loss_and_grad(sess.model, t, m, 2, 0.1)
+        (_, metrics), grads = loss_and_grad(sess.model, t, m, 2, 0.1)
         return metrics, grads
 
     grads, metrics = accumulate_grads(micro, 4)
@@ -68,11 +76,13 @@ def test_peak_memory_is_flat_in_the_number_of_micro_batches(tiny_base, tiny_rend
         p1 = peak(lambda: [one.step(k) for k in (1, 2, 3, 4)])
         p4 = peak(lambda: four.step(1))
 
+    loss_and_grad = naive_value_and_grad(four)
+
     def naive():  # the same four micro-batches summed in one graph
         total = None
         for rows in four.micro_batches(1):
             t, m = pair_batch(four.train, rows)
-            (_, _), g = four.loss_and_grad(four.model, t, m, 4, 0.1)
+            (_, _), g = loss_and_grad(four.model, t, m, 4, 0.1)
             total = g if total is None else tree_map(mx.add, total, g)
         mx.eval(total)
 

@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from orpo.hub import hub_failure_reason
 from orpo.io import InputError, read_jsonl, sha256_file
 
 SUFFIXES = (".jsonl", ".json", ".parquet")
@@ -45,13 +46,6 @@ class Item:
 def is_hub_id(spec: str) -> bool:
     """True for 'owner/name' or 'owner/name:split' that is not a local path."""
     return not os.path.exists(spec) and not spec.endswith(SUFFIXES) and bool(_HUB_ID.match(spec))
-
-
-def _offline_env() -> bool:
-    return any(
-        os.environ.get(k, "").strip().lower() in ("1", "true", "yes", "on")
-        for k in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")
-    )
 
 
 def _jsonl(path: str, name: str, on_error: str) -> Iterator[Item]:
@@ -99,23 +93,14 @@ def _parquet(path: str, name: str) -> Iterator[Item]:
 def _hub(spec: str) -> Iterator[Item]:
     name, _, split = spec.partition(":")
     split = split or "train"
-    offline = _offline_env()
     try:
         import datasets  # slow to import: only on this path
     except ImportError:
         raise InputError(spec, None, None, "hub datasets need the `datasets` package: pip install datasets") from None
     try:
-        from huggingface_hub import constants
-
-        offline = offline or bool(constants.HF_HUB_OFFLINE)
         ds = datasets.load_dataset(name, split=split)
     except Exception as e:
-        if offline:
-            why = "offline (HF_HUB_OFFLINE/HF_DATASETS_OFFLINE) and not in the local cache"
-        elif isinstance(e, ConnectionError) or "reach" in str(e):
-            why = "the Hub is unreachable (offline?) and it is not in the local cache"
-        else:
-            why = "load failed"
+        why = hub_failure_reason(e)
         raise InputError(
             spec, None, None, f"cannot load hub dataset '{name}' split '{split}': {why} ({type(e).__name__}: {e})"
         ) from None

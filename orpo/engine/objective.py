@@ -40,10 +40,13 @@ def resolve_engine(engine: dict[str, Any] | None) -> dict[str, Any]:
     return e
 
 
+# The trainer's original path: naive head, plain backward, no sharing, MLX's attention (the oracle).
+PLAIN: dict[str, Any] = {"head": "naive", "segment_layers": 0, "prefix_sharing": False, "attention": "mlx"}
+
+
 def is_plain(engine: dict[str, Any]) -> bool:
-    """Whether the settings ask for the trainer's original path (naive head, plain backward, no sharing, mlx attention)."""
-    return (engine["head"] == "naive" and int(engine["segment_layers"]) == 0 and not engine["prefix_sharing"]
-            and engine["attention"] == "mlx")
+    """Whether the settings ask for the trainer's original path (PLAIN)."""
+    return all(engine[k] == v for k, v in PLAIN.items())
 
 
 def naive_pair_loss(model: nn.Module, tokens: mx.array, mask: mx.array, n: int, lam: float) -> tuple[mx.array, dict[str, mx.array]]:

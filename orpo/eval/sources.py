@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from orpo.hub import hub_failure_reason
 from orpo.io import InputError
 
 HUB_PREFIX = "hub:"
@@ -81,27 +82,11 @@ def parse_source(spec: str | os.PathLike) -> Source:
     raise InputError(spec, None, None, f"no such file or folder (a hub dataset is written {HUB_FORM})")
 
 
-def _offline() -> bool:
-    if any(os.environ.get(k, "").strip().lower() in ("1", "true", "yes", "on")
-           for k in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")):
-        return True
-    from huggingface_hub import constants
-
-    return bool(constants.HF_HUB_OFFLINE)
-
-
 def _load_failure(source: Source, e: Exception) -> InputError:
     what = f"({type(e).__name__}: {e})"
     if source.kind == "folder":
         return InputError(source.spec, None, None, f"not a dataset folder `datasets.load_dataset` can read {what}")
-    if _offline():
-        why = "offline (HF_HUB_OFFLINE/HF_DATASETS_OFFLINE is set) and it is not in the local cache"
-    elif isinstance(e, ConnectionError) or "reach" in str(e):
-        why = "the Hub cannot be reached (no network?) and it is not in the local cache"
-    elif type(e).__name__ in ("DatasetNotFoundError", "FileNotFoundError", "RepositoryNotFoundError"):
-        why = "no such dataset on the Hub (or it is gated/private: log in or set HF_TOKEN)"
-    else:
-        why = "loading failed"
+    why = hub_failure_reason(e)
     hint = "; load it once with a network (it is then cached under HF_HOME), or give a local file or folder"
     return InputError(source.spec, None, None, f"cannot load hub dataset '{source.name}': {why} {what}{hint}")
 

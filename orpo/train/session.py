@@ -15,7 +15,6 @@ from mlx_lm.utils import load_model
 
 from orpo.batching import batch_schedule
 from orpo.config import section_defaults
-from orpo.engine.objective import naive_pair_loss as pair_loss  # the naive oracle, kept under its old name
 from orpo.engine.objective import pair_logps, pair_value_and_grad
 from orpo.io import sha256_file
 from orpo.optim import current_lr, lora_adamw, warmup_steps_for
@@ -53,7 +52,6 @@ class Session:
     train: Pairs
     schedule: list[list[int]]
     keys: DropoutKeys
-    loss_and_grad: Any = field(repr=False, default=None)
     init_adapter: dict[str, str] | None = None
     shard: Shard = field(default_factory=Shard)
 
@@ -136,4 +134,4 @@ def build_session(base_dir: str | Path, rendered_dir: str | Path, settings: dict
     schedule = batch_schedule(pair_lengths(train), rows_per_step, s["epochs"], s["seed"], s["max_steps"], window)
     opt = lora_adamw(s["schedule"], s["lr"], len(schedule), warmup_steps_for(len(schedule), s["warmup"]),
                      s["weight_decay"], s["lora"]["plus_ratio"])
-    return Session(s, model, opt, adapter_config, train, schedule, keys, nn.value_and_grad(model, pair_loss), init, shard)
+    return Session(s, model, opt, adapter_config, train, schedule, keys, init, shard)

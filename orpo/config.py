@@ -5,25 +5,17 @@ from __future__ import annotations
 import copy
 import functools
 import os
-import re
 from pathlib import Path
 from typing import Any
 
 import jsonschema
 import yaml
 
+from orpo.hub import is_hub_dataset
+
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 SCHEMA_PATH = PROJECT_ROOT / "workflow" / "schemas" / "config.schema.yaml"
 EMBEDDED_EVAL_PROMPTS = PROJECT_ROOT / "data" / "eval" / "ifeval_prompts.jsonl"
-
-
-_HUB_DATASET = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+(:[\w.-]+)?$")
-
-
-def _is_hub_dataset(value: str, base: Path) -> bool:
-    """owner/name[:split] that is no local path and no data file name: curate loads it from the hub."""
-    return (not (base / value).exists() and not value.endswith((".jsonl", ".json", ".parquet"))
-            and bool(_HUB_DATASET.match(value)))
 
 
 class ConfigError(ValueError):
@@ -100,7 +92,7 @@ def validate_config(config: dict[str, Any], base_dir: str | os.PathLike | None =
         raise ConfigError("config error: model.path and model.hub_id are both set; give one")
     model["path"] = existing("model.path", model["path"], need="config.json")
     raw = config["data"]["raw"]  # a path, or a hub id (owner/name[:split]) that curate loads
-    config["data"]["raw"] = raw if raw and _is_hub_dataset(raw, base) else existing("data.raw", raw)
+    config["data"]["raw"] = raw if raw and is_hub_dataset(raw, base) else existing("data.raw", raw)
     config["eval"]["prompts"] = source("eval.prompts", config["eval"]["prompts"]) or str(EMBEDDED_EVAL_PROMPTS)
     config["curate"]["truthfulqa_questions"] = existing("curate.truthfulqa_questions", config["curate"]["truthfulqa_questions"])
     config["render"]["template"] = existing("render.template", config["render"]["template"])

@@ -24,6 +24,7 @@ import re
 from typing import Any
 
 from orpo.config import ConfigError, validate_config
+from orpo.hub import is_hub_dataset
 
 SETS = ("ifeval", "judge")
 SHARED_STAGES = ("data", "base", "curate", "render", "judge_prompts", "generate_base_ifeval", "generate_base_judge")
@@ -180,10 +181,8 @@ class Layout:
 
     def raw_input(self, name: str) -> list[str]:
         """The raw rows as a Snakemake input (none for a hub id)."""
-        from orpo.curate.read import is_hub_id
-
         raw = self.raw(name)
-        return [] if is_hub_id(raw) else [raw]
+        return [] if is_hub_dataset(raw) else [raw]
 
     def embedded_model(self, name: str) -> bool:
         """True when the base stage builds the model (no model.path nor model.hub_id)."""

@@ -3,6 +3,17 @@
 from __future__ import annotations
 
 import os
+import re
+from pathlib import Path
+
+DATA_SUFFIXES = (".jsonl", ".json", ".parquet")
+_DATASET_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+(:[\w.-]+)?$")
+
+
+def is_hub_dataset(spec: str, base: str | os.PathLike = ".") -> bool:
+    """True for 'owner/name' or 'owner/name:split' that is no local path (under `base`) and no data file name."""
+    return (not (Path(base) / spec).exists() and not spec.endswith(DATA_SUFFIXES)
+            and bool(_DATASET_ID.match(spec)))
 
 
 def hub_offline() -> bool:

@@ -8,17 +8,14 @@ with a whole source (missing file, unreadable parquet or .json, hub dataset unav
 from __future__ import annotations
 
 import json
-import os
-import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from orpo.hub import hub_failure_reason
+from orpo.hub import DATA_SUFFIXES, hub_failure_reason, is_hub_dataset
 from orpo.io import InputError, read_jsonl, sha256_file
 
-SUFFIXES = (".jsonl", ".json", ".parquet")
-_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+(:[\w.-]+)?$")
+SUFFIXES = DATA_SUFFIXES
 
 
 @dataclass(frozen=True)
@@ -41,11 +38,6 @@ class Item:
         """An InputError for this row naming file, line (or row) and field."""
         prefix = f"row {self.index}: " if self.index is not None else ""
         return InputError(self.path, self.line, field, prefix + message)
-
-
-def is_hub_id(spec: str) -> bool:
-    """True for 'owner/name' or 'owner/name:split' that is not a local path."""
-    return not os.path.exists(spec) and not spec.endswith(SUFFIXES) and bool(_HUB_ID.match(spec))
 
 
 def _jsonl(path: str, name: str, on_error: str) -> Iterator[Item]:
@@ -128,7 +120,7 @@ def _files(spec: str) -> list[str]:
 
 def describe(spec: str) -> dict:
     """The manifest's record of one input: kind and, for local files, each file's sha256."""
-    if is_hub_id(spec):
+    if is_hub_dataset(spec):
         name, _, split = spec.partition(":")
         return {"input": spec, "kind": "hub", "dataset": name, "split": split or "train"}
     files = _files(spec)
@@ -139,7 +131,7 @@ def describe(spec: str) -> dict:
 def iter_items(inputs: list[str], on_error: str) -> Iterator[Item]:
     """Stream every row of every input, in the order given (folders: files sorted by path)."""
     for spec in inputs:
-        if is_hub_id(spec):
+        if is_hub_dataset(spec):
             yield from _hub(spec)
             continue
         for path in _files(spec):

@@ -118,10 +118,6 @@ def ifeval_html(result: dict[str, Any]) -> str:
     return html_table(["model", "prompts", *IFEVAL_METRICS], rows, "IFEval")
 
 
-def _count(value: Any) -> Any:
-    return value.get("total") if isinstance(value, dict) else value
-
-
 def curation_html(manifests: dict[str, dict[str, Any]]) -> str:
     """Rows in, rows out and each drop reason's count, per stage manifest."""
     rows = []

@@ -40,7 +40,8 @@ def resolve_backend(backend: str) -> str:
         return backend
     import mlx.core as mx
 
-    return "nccl" if mx.cuda.is_available() else "ring"
+    cuda = getattr(mx, "cuda", None)  # absent from Metal and CPU-only builds
+    return "nccl" if cuda is not None and cuda.is_available() else "ring"
 
 
 def free_ports(n: int) -> list[int]:

@@ -50,8 +50,10 @@ from orpo.engine.head import fused_logp, lm_head_of
 from orpo.engine.objective import PLAIN, pair_value_and_grad
 
 # Every case starts from the naive engine (not the schema's defaults, which switch techniques on), so
-# "naive" is the plain path and each other case names exactly the techniques it turns on.
-ENGINE_DEFAULTS: dict[str, Any] = {**section_defaults("train")["engine"], **PLAIN}
+# "naive" is the plain path and each other case names exactly the techniques it turns on. Width multiple
+# 1 = rows exactly as long as the longest sequence: MLX as a user runs it (on CUDA, the unfused attention
+# backward unless the length happens to be a multiple of 128).
+ENGINE_DEFAULTS: dict[str, Any] = {**section_defaults("train")["engine"], **PLAIN, "width_multiple": 1}
 LORA = {**section_defaults("train")["lora"], "rank": 16, "dropout": 0.0,
         "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]}
 LAMBDA = 0.1

@@ -100,16 +100,21 @@ CPU_SMALL = Shape(hidden=256, layers=4, heads=4, kv_heads=2, intermediate=768, v
 def _main_cases(shape: Shape, segment_layers: int) -> list[Case]:
     """Naive, each technique alone, all together (with and without blockwise attention)."""
     seg = {"segment_layers": segment_layers}
+    wide = {"width_multiple": 128}  # what width_multiple 0 (auto) gives on CUDA: cuDNN's attention backward
     return [
         Case("naive", shape),
+        Case("width-128", shape, engine=wide),
         Case("fused", shape, engine={"head": "fused"}),
         Case(f"segmented-{segment_layers}", shape, engine=seg),
         Case("prefix", shape, engine={"prefix_sharing": True}),
-        Case("all", shape, engine={"head": "fused", **seg, "prefix_sharing": True}),
+        Case("fused-prefix-128", shape, engine={"head": "fused", "prefix_sharing": True, **wide}),
+        Case("fused-128", shape, engine={"head": "fused", **wide}),
+        Case(f"seg{segment_layers}-128", shape, engine={"head": "fused", **seg, **wide}),
+        Case("all", shape, engine={"head": "fused", **seg, "prefix_sharing": True, **wide}),
         # The memory end of the trade-off: one layer per segment, small head chunks.
-        Case("all-lean", shape, engine={"head": "fused", "head_chunk": 256, "segment_layers": 1, "prefix_sharing": True}),
+        Case("lean-128", shape, engine={"head": "fused", "head_chunk": 256, "segment_layers": 1, **wide}),
+        Case("all-lean", shape, engine={"head": "fused", "head_chunk": 256, "segment_layers": 1, "prefix_sharing": True, **wide}),
         Case("blockwise-attn", shape, engine={"attention": "blockwise"}),
-        Case("all+attn", shape, engine={"head": "fused", **seg, "prefix_sharing": True, "attention": "blockwise"}),
     ]
 
 
@@ -161,17 +166,24 @@ def _segment_suite(base: Shape, few: int, many: int, segment_layers: int) -> Sui
 def _prefix_suite(base: Shape, response: int) -> Suite:
     """Prompts twice the responses: one shared-prompt forward vs two (the token count alone allows 1.5x)."""
     shape = replace(base, prompt=2 * response, response=response)
-    cases = [Case("naive", shape), Case("prefix", shape, engine={"prefix_sharing": True})]
+    wide = {"width_multiple": 128}
+    cases = [Case("naive", shape), Case("prefix", shape, engine={"prefix_sharing": True}),
+             Case("width-128", shape, engine=wide, baseline="width-128"),
+             Case("prefix-128", shape, engine={"prefix_sharing": True, **wide}, baseline="width-128")]
     return Suite(cases, [Check("prefix sharing tokens/s, prompts 2x responses", "tokens_per_s",
-                               "prefix", "naive", ">=", 1.4)])
+                               "prefix", "naive", ">=", 1.4),
+                         Check("prefix sharing tokens/s, prompts 2x responses, widths of 128", "tokens_per_s",
+                               "prefix-128", "width-128", ">=", 1.4)])
 
 
 CPU_SEGMENTS = replace(CPU_SMALL, hidden=128, heads=2, kv_heads=1, intermediate=384, vocab=4096, prompt=64, response=64)
 
 CPU_RUN = {"steps": 3, "warmup": 1}
 # The issue's headline target, against bench/peer_liger.py's results (bench/engine.py --peer PEER.json).
-PEER_CHECKS = [Check("all vs torch+Liger tokens/s", "tokens_per_s", "all", "peer:liger", ">=", 1.3),
-               Check("all peak vs torch+Liger+checkpointing peak", "peak_gb", "all", "peer:liger-ckpt", "<=", 1.0)]
+PEER_CHECKS = [Check(f"{v} vs torch+Liger tokens/s", "tokens_per_s", v, "peer:liger", ">=", 1.3)
+               for v in ("fused-128", "fused-prefix-128", "lean-128")]
+PEER_CHECKS += [Check(f"{v} peak vs torch+Liger+checkpointing peak", "peak_gb", v, "peer:liger-ckpt", "<=", 1.0)
+                for v in ("lean-128", "all-lean")]
 
 SUITES: dict[str, Suite] = {
     # The CPU sizes: every preset below its h200 twin, each finishing in about a minute on 2 idle cores.

@@ -68,6 +68,22 @@ def main() -> None:
     attn = lambda q, k, v: mx.fast.scaled_dot_product_attention(q, k, v, scale=D**-0.5, mask="causal").astype(mx.float32).sum()
     rows.append(("sdpa causal fwd (1 layer)", timeit(lambda: mx.fast.scaled_dot_product_attention(q, k, v, scale=D**-0.5, mask="causal"))))
     rows.append(("sdpa causal fwd+bwd (1 layer)", timeit(lambda: mx.grad(attn, argnums=(0, 1, 2))(q, k, v))))
+    # MLX's cuDNN attention backward runs only when the query length is a multiple of 128; otherwise the
+    # gradient goes through the unfused fallback. Time both widths, causal and with a boolean block mask.
+    T128 = -(-T // 128) * 128
+    q2, k2, v2 = (mx.random.normal((B, n, T128, D)).astype(dtype) for n in (H, shape.kv_heads, shape.kv_heads))
+    block_mask = mx.tril(mx.ones((T128, T128), mx.bool_))[None, None]
+    for width, (qq, kk, vv) in ((T, (q, k, v)), (T128, (q2, k2, v2))):
+        for label, m in (("causal", "causal"), ("bool mask", block_mask[..., :width, :width])):
+            f = lambda q, k, v, m=m: mx.fast.scaled_dot_product_attention(q, k, v, scale=D**-0.5, mask=m).astype(mx.float32).sum()
+            rows.append((f"sdpa {label} fwd+bwd T={width}", timeit(lambda f=f, qq=qq, kk=kk, vv=vv: mx.grad(f, argnums=(0, 1, 2))(qq, kk, vv))))
+    # Agreement of the fast path (bf16, T128) with float32 attention through the same op on the CPU-free fallback.
+    cot = mx.random.normal((B, H, T128, D))
+    fast = mx.grad(lambda q, k, v: (mx.fast.scaled_dot_product_attention(q, k, v, scale=D**-0.5, mask="causal").astype(mx.float32) * cot).sum(), argnums=(0, 1, 2))(q2, k2, v2)
+    ref = mx.grad(lambda q, k, v: (mx.fast.scaled_dot_product_attention(q, k, v, scale=D**-0.5, mask="causal") * cot).sum(), argnums=(0, 1, 2))(*(a.astype(mx.float32) for a in (q2, k2, v2)))
+    for name, a, b in zip("qkv", fast, ref):
+        err = (mx.linalg.norm(a.astype(mx.float32) - b) / mx.linalg.norm(b)).item()
+        print(f"sdpa T={T128} bf16 d{name} vs float32: relative error {err:.2e}")
     block = section_defaults("train")["engine"]["attention_block"]
     bw = lambda q, k, v: blockwise_attention(q, k, v, D**-0.5, "causal", block)
     bw_sum = lambda q, k, v: bw(q, k, v).astype(mx.float32).sum()

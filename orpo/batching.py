@@ -35,10 +35,14 @@ def batch_schedule(
     return steps[:max_steps] if max_steps > 0 else steps
 
 
-def pad_rows(rows: Sequence[Sequence[int]], pad: int, multiple: int = 16) -> np.ndarray:
-    """Right-pad int rows to one length, rounded up to `multiple` so few distinct shapes occur."""
+def pad_rows(rows: Sequence[Sequence[int]], pad: int, multiple: int = 16, extra: int = 0) -> np.ndarray:
+    """Right-pad int rows to one length, `extra` plus a multiple of `multiple`, so few distinct shapes occur.
+
+    extra=1 suits rows the model reads shifted by one (inputs = tokens[:, :-1]): their inputs are then a
+    whole multiple long.
+    """
     width = max(len(r) for r in rows)
-    width = int(math.ceil(width / multiple) * multiple)
+    width = int(math.ceil(max(width - extra, 1) / multiple) * multiple) + extra
     out = np.full((len(rows), width), pad, dtype=np.int32)
     for i, r in enumerate(rows):
         out[i, : len(r)] = r

@@ -35,6 +35,11 @@ ENGINES = {name: {**PLAIN, **e} for name, e in {
     "segments_2_of_3": {"segment_layers": 2},  # 3 layers: segments [0, 2) and [2, 3)
     "prefix": {"prefix_sharing": True},
     "all": {"head": "fused", "head_chunk": 7, "segment_layers": 2, "prefix_sharing": True},
+    # Padded widths (what CUDA's cuDNN attention needs): padding is neither scored nor attended to.
+    "width_128": {"width_multiple": 128},
+    "prefix_width_24": {"prefix_sharing": True, "width_multiple": 24},
+    "all_width_128": {"head": "fused", "head_chunk": 7, "segment_layers": 2, "prefix_sharing": True,
+                      "width_multiple": 128},
 }.items()}
 
 
@@ -91,6 +96,34 @@ def test_each_rung_matches_the_naive_two_forward_orpo(family, engine):
     got = pair_value_and_grad(model, pairs, LAM, ENGINES[engine])
     assert_close(got, naive(model, pairs))
     assert got[0][1]["prefix_fallbacks"].item() == 0
+
+
+@pytest.mark.parametrize("multiple", [24, 128])
+def test_width_multiple_pads_the_model_inputs_to_a_multiple(multiple):
+    from orpo.engine.objective import pack
+    pairs = random_pairs(1, 3)
+    for sharing in (False, True):
+        tokens = pack(pairs, resolve_engine({**PLAIN, "prefix_sharing": sharing, "width_multiple": multiple})).layout.tokens
+        assert tokens.shape[1] % multiple == 0
+        unpadded = pack(pairs, resolve_engine({**PLAIN, "prefix_sharing": sharing})).layout.tokens
+        assert unpadded.shape[1] % multiple != 0  # the control: these pairs need padding to get there
+    tokens, _ = pair_batch(pairs, [0, 1, 2], multiple)
+    assert (tokens.shape[1] - 1) % multiple == 0
+
+
+def test_width_multiple_is_checked():
+    with pytest.raises(ValueError, match="width_multiple"):
+        resolve_engine({"width_multiple": -1})
+
+
+def test_auto_settings_are_decided_by_the_device():
+    from orpo.engine.objective import input_multiple, on_cuda
+    e = resolve_engine({})
+    assert e["prefix_sharing"] is (not on_cuda())
+    assert input_multiple(e) == (128 if on_cuda() else None)
+    assert resolve_engine({"prefix_sharing": False})["prefix_sharing"] is False
+    with pytest.raises(ValueError, match="prefix_sharing"):
+        resolve_engine({"prefix_sharing": "yes"})
 
 
 @pytest.mark.parametrize("engine", ["segments_1", "all"])

@@ -105,6 +105,29 @@ def test_shared_rows_give_the_hidden_states_of_separate_forwards(variant):
         assert np.abs(np.array(h.reshape(-1, h.shape[-1])[shared.index]) - want).max() > 1e-3
 
 
+@pytest.mark.parametrize("multiple", [None, 32])
+def test_shared_rows_attend_as_a_causal_part_and_a_masked_part(multiple):
+    """Rejected starts at one aligned column in every row; attention there runs as two parts (SplitMask),
+    equal to one attention under the whole block mask."""
+    import dataclasses
+
+    from orpo.engine.attention import SplitMask
+    model = tiny_model("llama")
+    pairs = with_unshared_pair(random_pairs(6, 4), 2)
+    packed = shared_rows(pairs, multiple)
+    lay = packed.layout
+    m = multiple or 16
+    assert lay.split % m == 0 and lay.tokens.shape[1] % m == 0
+    assert np.array(lay.shifted)[:, lay.split:].all() and not np.array(lay.shifted)[:, :lay.split].any()
+    stack = Stack(model)
+    masks = stack.masks(lay, stack.embed(lay.tokens))
+    assert all(isinstance(mask, SplitMask) for mask in masks)
+    whole = dataclasses.replace(lay, split=None)
+    assert not any(isinstance(mask, SplitMask) for mask in stack.masks(whole, stack.embed(lay.tokens)))
+    got, want = (np.array((h := stack.hidden(x)).reshape(-1, h.shape[-1])[packed.index]) for x in (lay, whole))
+    np.testing.assert_allclose(got, want, rtol=10 * MATMUL_TOL, atol=10 * MATMUL_TOL)
+
+
 def test_sliding_window_uses_logical_positions():
     """gemma3's local layers: a rejected token may see a prompt token within the window by logical distance only."""
     pairs = random_pairs(4, 1)
@@ -114,7 +137,7 @@ def test_sliding_window_uses_logical_positions():
     q = int(np.nonzero(np.array(layout.shifted[0]))[0][0])  # rejected's first own token
     assert pos[q] == 4 and q - 4 > WINDOW  # logically next to the prompt, physically far from it
     masks = Stack(tiny_model("gemma3_text")).masks(layout, mx.zeros((1, pos.size, 1)))
-    local = np.array(masks[0])[0, 0]
+    local = np.array(masks[0])[0, 0] == 0  # additive for MLX's attention: 0 where visible, -inf elsewhere
     assert local[q, :4].all() and not local[q, 4:q].any() and np.array_equal(local & vis, local)
 
 

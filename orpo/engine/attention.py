@@ -18,6 +18,7 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from functools import cache
 from typing import Any
 
@@ -234,12 +235,40 @@ def _causal_sdpa(original: Callable, block: int) -> Callable:
     return sdpa
 
 
-@contextmanager
-def causal_blockwise_in(module_names: list[str], block: int = DEFAULT_BLOCK) -> Iterator[None]:
-    """While inside, these mlx-lm model modules call blockwise_attention instead of mlx-lm's sdpa; always restored.
+@dataclass(frozen=True, eq=False)
+class SplitMask:
+    """A prefix-sharing row's mask as two attentions: [0, split) plain causal, [split, L) under `bias`.
 
-    Every mask reaching them must already include causality (the engine stack's masks do: "causal", mlx-lm's
-    causal/windowed arrays, prefix-sharing block masks), since key blocks after each query block are skipped.
+    Rows are [prompt; chosen; pad] then, from `split` on, [rejected; pad]: the first section attends
+    causally within itself; the second attends to every key under `bias` [B, 1, L - split, L] (additive).
+    Split this way, CUDA runs cuDNN's causal kernel on the first section and its masked kernel only on the
+    second section's rows, instead of the masked kernel over the whole [L, L] square.
+    """
+
+    split: int
+    bias: mx.array
+
+
+def _split_sdpa(original: Callable) -> Callable:
+    """mlx-lm's `scaled_dot_product_attention`, doing a SplitMask as its two attentions (anything else: `original`)."""
+
+    def sdpa(queries: mx.array, keys: mx.array, values: mx.array, cache: Any, scale: float, mask: Any,
+             sinks: mx.array | None = None) -> mx.array:
+        if not isinstance(mask, SplitMask):
+            return original(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
+        s = mask.split
+        first = original(queries[:, :, :s], keys[:, :, :s], values[:, :, :s], cache=cache, scale=scale,
+                         mask="causal", sinks=sinks)
+        second = original(queries[:, :, s:], keys, values, cache=cache, scale=scale, mask=mask.bias, sinks=sinks)
+        return mx.concatenate([first, second], axis=2)
+
+    return sdpa
+
+
+@contextmanager
+def sdpa_swapped_in(module_names: list[str], wrap: Callable[[Callable], Callable]) -> Iterator[None]:
+    """While inside, these mlx-lm model modules call wrap(their scaled_dot_product_attention); always restored.
+
     A module without a module-level `scaled_dot_product_attention` (gemma2: its own softcapped attention) is
     left alone. Process-global while active: not for models run concurrently in other threads.
     """
@@ -249,9 +278,23 @@ def causal_blockwise_in(module_names: list[str], block: int = DEFAULT_BLOCK) -> 
             module = importlib.import_module(name)
             original = getattr(module, "scaled_dot_product_attention", None)
             if original is not None:
-                module.scaled_dot_product_attention = _causal_sdpa(original, block)
+                module.scaled_dot_product_attention = wrap(original)
                 swapped.append((module, original))
         yield
     finally:
         for module, original in reversed(swapped):
             module.scaled_dot_product_attention = original
+
+
+def causal_blockwise_in(module_names: list[str], block: int = DEFAULT_BLOCK) -> Any:
+    """While inside, these mlx-lm model modules call blockwise_attention instead of mlx-lm's sdpa; always restored.
+
+    Every mask reaching them must already include causality (the engine stack's masks do: "causal", mlx-lm's
+    causal/windowed arrays, prefix-sharing block masks), since key blocks after each query block are skipped.
+    """
+    return sdpa_swapped_in(module_names, lambda original: _causal_sdpa(original, block))
+
+
+def split_masks_in(module_names: list[str]) -> Any:
+    """While inside, these mlx-lm model modules do a SplitMask as its two attentions; always restored."""
+    return sdpa_swapped_in(module_names, _split_sdpa)

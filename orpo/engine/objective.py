@@ -1,7 +1,7 @@
 """The one entry the trainer calls: ORPO loss, metrics and LoRA gradients of a micro-batch, by the engine's settings.
 
 head (naive | fused) x segment_layers (0 = plain backward) x prefix_sharing x attention (mlx | blockwise)
-compose freely. All naive, no segments, no sharing, mlx attention is the trainer's original path itself (full logits of [chosen; rejected] rows under
+x width_multiple compose freely. All naive, no segments, no sharing, mlx attention is the trainer's original path itself (full logits of [chosen; rejected] rows under
 nn.value_and_grad), so it stays bit-identical; every other setting goes through our stack forward.
 """
 
@@ -13,7 +13,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from orpo.config import section_defaults
-from orpo.engine.head import LMHead, fused_logp, head_logits, lm_head_of
+from orpo.engine.head import LMHead, fused_logp, fused_logp_eager, head_logits, lm_head_of
 from orpo.engine.prefix import PackedPairs, plain_rows, shared_rows
 from orpo.engine.segmented import segmented_value_and_grad
 from orpo.engine.stack import Stack
@@ -25,7 +25,7 @@ ENGINE_DEFAULTS: dict[str, Any] = section_defaults("train")["engine"]
 
 
 def resolve_engine(engine: dict[str, Any] | None) -> dict[str, Any]:
-    """Defaults overlaid with `engine`, checked (a clear error names the bad train.engine field)."""
+    """Defaults overlaid with `engine`, checked (a clear error names the bad train.engine field), "auto" decided."""
     e = {**ENGINE_DEFAULTS, **(engine or {})}
     unknown = set(e) - set(ENGINE_DEFAULTS)
     if unknown:
@@ -37,7 +37,36 @@ def resolve_engine(engine: dict[str, Any] | None) -> dict[str, Any]:
     if e["attention"] not in ("mlx", "blockwise") or int(e["attention_block"]) < 1:
         raise ValueError(f"train.engine.attention: {e['attention']!r} must be one of mlx, blockwise and "
                          f"train.engine.attention_block >= 1 (got {e['attention_block']})")
+    if int(e["width_multiple"]) < 0:
+        raise ValueError(f"train.engine.width_multiple: must be >= 0 (got {e['width_multiple']})")
+    if e["prefix_sharing"] not in ("auto", True, False):
+        raise ValueError(f"train.engine.prefix_sharing: {e['prefix_sharing']!r} is not one of auto, true, false")
+    if e["prefix_sharing"] == "auto":
+        # On CUDA, with cuDNN's attention, sharing saved memory but not time on the H200 (0.91-0.94x tokens/s
+        # at prompt = response, 1.01-1.05x at prompt = 2x response: bench/README.md): the shared rows need
+        # cuDNN's masked kernel, 2.6x the causal one per score. Elsewhere sharing wins speed and memory.
+        e["prefix_sharing"] = not on_cuda()
     return e
+
+
+# MLX's CUDA attention runs its cuDNN backward only for query lengths that are a multiple of 128; other
+# lengths differentiate the unfused fallback ([B, H, L, L] scores kept). Measured on an H200 at a Llama-1B
+# layer (B 8, L 1024, bf16): causal fwd+bwd 1.03 ms at L 1024 against 7.54 ms at L 1023.
+CUDA_ATTENTION_MULTIPLE = 128
+
+
+def on_cuda() -> bool:
+    """Whether arrays go to a CUDA GPU (mx.cuda is absent on Metal and CPU builds)."""
+    cuda = getattr(mx, "cuda", None)
+    return mx.default_device().type == mx.gpu and cuda is not None and cuda.is_available()
+
+
+def input_multiple(engine: dict[str, Any]) -> int | None:
+    """What the forward's input length is padded to a multiple of (None: the loader's 16-token rounding)."""
+    m = int(engine["width_multiple"])
+    if m == 0:
+        return CUDA_ATTENTION_MULTIPLE if on_cuda() else None
+    return m
 
 
 # The trainer's original path: naive head, plain backward, no sharing, MLX's attention (the oracle).
@@ -57,12 +86,18 @@ def naive_pair_loss(model: nn.Module, tokens: mx.array, mask: mx.array, n: int, 
 
 def pack(pairs: Pairs, engine: dict[str, Any]) -> PackedPairs:
     """The forward rows of `pairs`: one shared-prefix row per pair, or the plain [chosen; rejected] rows."""
-    return shared_rows(pairs) if engine["prefix_sharing"] else plain_rows(pairs)
+    m = input_multiple(engine)
+    return shared_rows(pairs, m) if engine["prefix_sharing"] else plain_rows(pairs, m)
+
+
+def scored_rows(hidden: mx.array, packed: PackedPairs) -> mx.array:
+    """The final hidden states [M, H] that predict the scored tokens, in packed.targets' order."""
+    return mx.take(hidden.reshape(-1, hidden.shape[-1]), packed.index, axis=0)
 
 
 def packed_logps(head: LMHead, hidden: mx.array, packed: PackedPairs, engine: dict[str, Any]) -> mx.array:
     """Mean response log-prob of each sequence [2B] (chosen rows, then rejected) from final hidden states."""
-    h = mx.take(hidden.reshape(-1, hidden.shape[-1]), packed.index, axis=0)
+    h = scored_rows(hidden, packed)
     if engine["head"] == "fused":
         logp = fused_logp(head, h, packed.targets, int(engine["head_chunk"]), float(engine["softmax_skip_eps"]))
     else:
@@ -81,18 +116,33 @@ def pair_value_and_grad(model: nn.Module, pairs: Pairs, lam: float,
     e = resolve_engine(engine)
     n = len(pairs)
     if is_plain(e):
-        tokens, mask = pair_batch(pairs, list(range(n)))
+        tokens, mask = pair_batch(pairs, list(range(n)), input_multiple(e))
         (loss, metrics), grads = nn.value_and_grad(model, naive_pair_loss)(model, tokens, mask, n, lam)
         return (loss, {**metrics, "prefix_fallbacks": mx.array(0.0)}), grads
     packed = pack(pairs, e)
     stack, head = Stack(model, e["attention"], int(e["attention_block"])), lm_head_of(model)
 
-    def loss_of_last(h: mx.array) -> tuple[mx.array, dict[str, mx.array]]:
-        logps = packed_logps(head, stack.norm(h), packed, e)
+    def loss_of(logps: mx.array) -> tuple[mx.array, dict[str, mx.array]]:
         return orpo_loss(logps[:n], logps[n:], lam)
 
+    def loss_of_last(h: mx.array) -> tuple[mx.array, dict[str, mx.array]]:
+        return loss_of(packed_logps(head, stack.norm(h), packed, e))
+
+    def head_value_and_grad(h: mx.array) -> tuple[tuple[mx.array, dict[str, mx.array]], mx.array]:
+        """The fused head's value and cotangent on h, its [chunk, V] blocks evaluated one chunk at a time."""
+        rows = lambda h: scored_rows(stack.norm(h), packed)  # noqa: E731
+        x = rows(h)
+        mx.eval(x)
+        logp, grad_fn = fused_logp_eager(head, x, packed.targets, int(e["head_chunk"]), float(e["softmax_skip_eps"]))
+        (loss, metrics), g = mx.value_and_grad(lambda lp: loss_of(packed.weights @ lp))(logp)
+        mx.eval(loss, metrics, g)
+        _, (cot,) = mx.vjp(lambda h: [rows(h)], [h], [grad_fn(g)])
+        return (loss, metrics), cot
+
     if int(e["segment_layers"]) > 0:
-        (loss, metrics), grads = segmented_value_and_grad(model, stack, packed.layout, loss_of_last, int(e["segment_layers"]))
+        eager = head_value_and_grad if e["head"] == "fused" else None
+        (loss, metrics), grads = segmented_value_and_grad(model, stack, packed.layout, loss_of_last,
+                                                          int(e["segment_layers"]), eager)
     else:
         def whole() -> tuple[mx.array, dict[str, mx.array]]:
             h = stack.embed(packed.layout.tokens)
@@ -109,7 +159,7 @@ def pair_logps(model: nn.Module, pairs: Pairs, engine: dict[str, Any] | None) ->
     e = resolve_engine(engine)
     n = len(pairs)
     if e["head"] == "naive" and not e["prefix_sharing"]:  # segments only change the backward
-        logps = response_mean_logps(model, *pair_batch(pairs, list(range(n))))
+        logps = response_mean_logps(model, *pair_batch(pairs, list(range(n)), input_multiple(e)))
     else:
         packed = pack(pairs, e)
         stack = Stack(model)

@@ -68,9 +68,9 @@ def shared_prompt_length(a: list[int], mask_a: list[int], b: list[int], mask_b: 
     return p
 
 
-def plain_rows(pairs: Pairs) -> PackedPairs:
+def plain_rows(pairs: Pairs, input_multiple: int | None = None) -> PackedPairs:
     """The trainer's layout, exactly: `pair_batch`'s B chosen then B rejected rows, inputs = tokens[:, :-1]."""
-    tokens, mask = (np.array(a) for a in pair_batch(pairs, list(range(len(pairs)))))
+    tokens, mask = (np.array(a) for a in pair_batch(pairs, list(range(len(pairs))), input_multiple))
     scored = mask[:, 1:] > 0
     rows, cols = np.nonzero(scored)  # row-major: sequence by sequence, as `weights` expects
     width = tokens.shape[1] - 1
@@ -79,8 +79,15 @@ def plain_rows(pairs: Pairs) -> PackedPairs:
                        mx.array(tokens[rows, cols + 1], mx.int32), _weights(groups, len(rows)), 0)
 
 
-def shared_rows(pairs: Pairs) -> PackedPairs:
-    """Prefix sharing: one row [prompt; chosen[:-1]; rejected[:-1]] per pair, rejected blind to chosen."""
+def shared_rows(pairs: Pairs, input_multiple: int | None = None) -> PackedPairs:
+    """Prefix sharing: one row [prompt; chosen[:-1]; rejected[:-1]] per pair, rejected blind to chosen.
+
+    Every row's rejected part starts at the same column, `split` (the longest prompt + chosen, rounded up
+    to the multiple): attention can then run as a causal part before it and a masked part after it
+    (orpo.engine.attention.SplitMask). Rows are padded to a multiple of `input_multiple` (16 if None).
+    """
+    multiple = input_multiple or 16
+    split = -(-max(len(pairs.prompt[i]) + len(pairs.chosen[i]) - 1 for i in range(len(pairs))) // multiple) * multiple
     rows, shared, starts = [], [], []
     scored, where, targets = ([], []), ([], []), ([], [])  # (chosen, rejected), per pair
     fallbacks = 0
@@ -89,8 +96,8 @@ def shared_rows(pairs: Pairs) -> PackedPairs:
         p = shared_prompt_length(full_c, mc, full_r, mr)
         if p is None:
             fallbacks, p = fallbacks + 1, 0
-        start = len(full_c) - 1  # rejected's own tokens begin after prompt + chosen[:-1]
-        rows.append(full_c[:-1] + full_r[p:-1])
+        start = split  # rejected's own tokens begin after prompt + chosen[:-1] + padding
+        rows.append(full_c[:-1] + [0] * (split - len(full_c) + 1) + full_r[p:-1])
         shared.append(p)
         starts.append(start)
         sc, sr = _scored(mc), _scored(mr)
@@ -101,15 +108,15 @@ def shared_rows(pairs: Pairs) -> PackedPairs:
         where[1].append([t - 1 if t <= p else start + t - 1 - p for t in sr])
         targets[0].extend(full_c[t] for t in sc)
         targets[1].extend(full_r[t] for t in sr)
-    tokens = pad_rows(rows, 0)
+    tokens = pad_rows(rows, 0, multiple)
     width = tokens.shape[1]
     index = [i * width + j for side in where for i, idx in enumerate(side) for j in idx]
-    return PackedPairs(_block_layout(tokens, np.array(shared), np.array(starts)), mx.array(index, mx.int32),
+    return PackedPairs(_block_layout(tokens, np.array(shared), np.array(starts), split), mx.array(index, mx.int32),
                        mx.array(targets[0] + targets[1], mx.int32), _weights(scored[0] + scored[1], len(index)),
                        fallbacks)
 
 
-def _block_layout(tokens: np.ndarray, shared: np.ndarray, starts: np.ndarray) -> Layout:
+def _block_layout(tokens: np.ndarray, shared: np.ndarray, starts: np.ndarray, split: int | None = None) -> Layout:
     """Positions and visibility of rows [shared prompt; chosen own; rejected own] (prompt lengths, rejected starts)."""
     n, width = tokens.shape
     pos = np.arange(width)[None, :].repeat(n, 0)
@@ -120,4 +127,4 @@ def _block_layout(tokens: np.ndarray, shared: np.ndarray, starts: np.ndarray) ->
     visible = (k <= q) & ~(in_rejected[:, :, None] & chosen_key)
     positions = np.where(in_rejected, pos - shift[:, None], pos)
     return Layout(mx.array(tokens), mx.array(positions, mx.int32), mx.array(visible), mx.array(in_rejected),
-                  mx.array(-shift, mx.int32))
+                  mx.array(-shift, mx.int32), split)

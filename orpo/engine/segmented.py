@@ -22,6 +22,8 @@ from mlx.utils import tree_flatten, tree_map_with_path, tree_unflatten
 from orpo.engine.stack import Layout, Stack
 
 HeadLoss = Callable[[mx.array], tuple[mx.array, dict[str, mx.array]]]
+# h -> ((loss, metrics), d loss / d h): a head that differentiates itself (evaluating as it goes).
+HeadValueAndGrad = Callable[[mx.array], tuple[tuple[mx.array, dict[str, mx.array]], mx.array]]
 
 
 def _layer_params(stack: Stack, model: nn.Module) -> list[tuple[str, list[tuple[str, mx.array]]]]:
@@ -37,7 +39,8 @@ def _layer_params(stack: Stack, model: nn.Module) -> list[tuple[str, list[tuple[
 
 
 def segmented_value_and_grad(model: nn.Module, stack: Stack, layout: Layout, head_loss: HeadLoss,
-                             segment_layers: int) -> tuple[tuple[mx.array, dict[str, mx.array]], Any]:
+                             segment_layers: int, head_value_and_grad: HeadValueAndGrad | None = None
+                             ) -> tuple[tuple[mx.array, dict[str, mx.array]], Any]:
     """((loss, metrics), grads) of head_loss(last layer's output) over the layout, grads shaped like trainable_parameters()."""
     if segment_layers < 1:
         raise ValueError(f"train.engine.segment_layers: {segment_layers} must be >= 1 here")
@@ -59,7 +62,7 @@ def segmented_value_and_grad(model: nn.Module, stack: Stack, layout: Layout, hea
             mx.eval(h)
             boundary.append(h)
 
-        (loss, metrics), cot = mx.value_and_grad(head_loss)(boundary.pop())
+        (loss, metrics), cot = (head_value_and_grad or mx.value_and_grad(head_loss))(boundary.pop())
         mx.eval(loss, metrics, cot)
 
         for a, b in reversed(segments):

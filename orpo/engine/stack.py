@@ -20,7 +20,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.base import create_attention_mask
 
-from orpo.engine.attention import DEFAULT_BLOCK, causal_blockwise_in
+from orpo.engine.attention import DEFAULT_BLOCK, SplitMask, causal_blockwise_in, split_masks_in
 
 # mlx-lm module name -> family ("mistral" is served by mlx_lm.models.llama).
 SUPPORTED = ("llama", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text")
@@ -37,6 +37,8 @@ class Layout:
     `positions`, `visible` and `shifted` are None for plain causal rows. Otherwise `positions[r, i]` is the
     RoPE position of token i, `visible[r, q, k]` says whether query q may attend to key k (causality
     included), and `shifted[r, i]` marks the tokens whose position is `i + shift[r]` (the rest have `i`).
+    `split`, if set, says every row's tokens before it see exactly the causal keys before it (the
+    prefix-sharing rows: [prompt; chosen; pad] then [rejected; pad]), so attention may run as two parts.
     """
 
     tokens: mx.array
@@ -44,6 +46,7 @@ class Layout:
     visible: mx.array | None = None
     shifted: mx.array | None = None
     shift: mx.array | None = None
+    split: int | None = None
 
     @property
     def plain(self) -> bool:
@@ -127,19 +130,33 @@ class Stack:
             if w is not None:
                 pos = layout.positions
                 mask = mask & ((pos[:, :, None] - pos[:, None, :]) < w)
+            if self.attention == "mlx" and not self.array_masks:
+                # Additive, in the activation dtype, one per row: MLX's CUDA attention takes it as cuDNN's
+                # bias broadcast over heads, where a boolean mask is first expanded to [B, H, L, L].
+                mask = mx.where(mask, mx.array(0.0, h.dtype), mx.array(-mx.inf, h.dtype))[:, None]
+                built[w] = SplitMask(layout.split, mask[:, :, layout.split:]) if self._splits(layout, w) else mask
+                continue
             built[w] = mask[:, None, None] if self.mask_5d else mask[:, None]
         return [built[w] for w in self.windows]
+
+    def _splits(self, layout: Layout, window: int | None) -> bool:
+        """Whether a layer with this window runs the layout's attention as two parts (SplitMask)."""
+        return (layout.split is not None and window is None and self.attention == "mlx" and not self.array_masks
+                and 0 < layout.split < layout.tokens.shape[1])
 
     @contextmanager
     def positions(self, layout: Layout) -> Iterator[None]:
         """While inside, ropes see the layout's logical positions and attention runs as `self.attention` says."""
-        if self.attention != "blockwise":
+        modules = [type(layer.self_attn).__module__ for layer in self.layers]
+        if self.attention == "blockwise":
+            with causal_blockwise_in(modules, self.attention_block), self._rope_positions(layout):
+                yield
+        elif any(self._splits(layout, w) for w in self.windows):
+            with split_masks_in(modules), self._rope_positions(layout):
+                yield
+        else:
             with self._rope_positions(layout):
                 yield
-            return
-        modules = [type(layer.self_attn).__module__ for layer in self.layers]
-        with causal_blockwise_in(modules, self.attention_block), self._rope_positions(layout):
-            yield
 
     @contextmanager
     def _rope_positions(self, layout: Layout) -> Iterator[None]:

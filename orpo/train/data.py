@@ -43,11 +43,16 @@ def pair_lengths(pairs: Pairs) -> list[int]:
     return [len(p) + max(len(c), len(r)) for p, c, r in zip(pairs.prompt, pairs.chosen, pairs.rejected)]
 
 
-def pair_batch(pairs: Pairs, rows: list[int]) -> tuple[mx.array, mx.array]:
-    """Tokens and scoring mask of shape [2B, T]: the B chosen sequences, then the B rejected ones."""
+def pair_batch(pairs: Pairs, rows: list[int], input_multiple: int | None = None) -> tuple[mx.array, mx.array]:
+    """Tokens and scoring mask of shape [2B, T]: the B chosen sequences, then the B rejected ones.
+
+    T is a multiple of 16, or, given `input_multiple`, one more than a multiple of it (so the model's
+    inputs, tokens[:, :-1], are a whole multiple long).
+    """
     seqs, masks = [], []
     for responses, resp_masks in ((pairs.chosen, pairs.chosen_mask), (pairs.rejected, pairs.rejected_mask)):
         for r in rows:
             seqs.append(pairs.prompt[r] + responses[r])
             masks.append([0] * len(pairs.prompt[r]) + resp_masks[r])
-    return mx.array(pad_rows(seqs, 0)), mx.array(pad_rows(masks, 0))
+    width = (input_multiple, 1) if input_multiple else (16, 0)
+    return mx.array(pad_rows(seqs, 0, *width)), mx.array(pad_rows(masks, 0, *width))

@@ -11,6 +11,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from orpo.engine.objective import resolve_engine
 from orpo.io import atomic_path, sha256_file, write_json
 from orpo.train.checkpoint import (kept_steps, load_checkpoint, prune_checkpoints, read_index, resolve_step,
                                    save_checkpoint, step_dir)
@@ -40,8 +41,9 @@ def train(base_dir: str | Path, rendered_dir: str | Path, out_dir: str | Path, s
     work = out_dir.with_name(out_dir.name + ".partial")
     sess = build_session(base_dir, rendered_dir, settings)
     s = sess.s
-    record = {"settings": s, "base": str(base_dir), "rendered": str(rendered_dir), "total_steps": sess.total_steps,
-              "init_adapter": sess.init_adapter}
+    # The engine as decided on this machine ("auto" settings depend on the device): same loss either way.
+    record = {"settings": s, "engine_resolved": resolve_engine(s["engine"]), "base": str(base_dir),
+              "rendered": str(rendered_dir), "total_steps": sess.total_steps, "init_adapter": sess.init_adapter}
     start, resumed = _prepare_workdir(work, record, sess) if sess.shard.is_main else (0, False)
     if sess.shard.size > 1:
         start = sess.shard.broadcast_int(start)  # a barrier too: rank 0 has cleaned or resumed the folder

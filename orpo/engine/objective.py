@@ -1,8 +1,9 @@
 """The one entry the trainer calls: ORPO loss, metrics and LoRA gradients of a micro-batch, by the engine's settings.
 
 head (naive | fused) x segment_layers (0 = plain backward) x prefix_sharing x attention (mlx | blockwise)
-x width_multiple compose freely. All naive, no segments, no sharing, mlx attention is the trainer's original path itself (full logits of [chosen; rejected] rows under
-nn.value_and_grad), so it stays bit-identical; every other setting goes through our stack forward.
+x width_multiple compose freely. All naive, no segments, no sharing, mlx attention is the trainer's
+original path itself (full logits of [chosen; rejected] rows under nn.value_and_grad), so it stays
+bit-identical; every other setting goes through our stack forward.
 """
 
 from __future__ import annotations

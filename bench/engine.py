@@ -44,6 +44,7 @@ from engine_shapes import (
 
 from orpo.blas import reexec_with_openblas
 from orpo.config import section_defaults
+from orpo.device import cuda_available
 from orpo.train.data import Pairs
 
 from orpo.engine.head import fused_logp, lm_head_of
@@ -188,8 +189,7 @@ def environment() -> dict[str, Any]:
             pass
     env = {"device": str(mx.default_device()), "python": platform.python_version(), "machine": platform.machine(),
            "versions": versions, "cpu_count": os.cpu_count(), "ld_preload": os.environ.get("LD_PRELOAD", "")}
-    if hasattr(mx, "cuda"):
-        env["cuda_available"] = bool(mx.cuda.is_available())
+    env["cuda_available"] = cuda_available()
     if env["device"].startswith("Device(gpu") and hasattr(mx, "device_info"):
         info = mx.device_info()
         env["gpu"] = info.get("device_name") or info.get("architecture")

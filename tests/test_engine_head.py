@@ -397,7 +397,7 @@ def test_eager_head_equals_the_fused_head_and_holds_one_block():
     """The segmented path's head (chunk by chunk, evaluated as it goes): same value and gradient as fused_logp
     bit for bit, and about one [chunk, V] block alive instead of the backend's run-ahead window.
 
-    Measured (CPU, V=4096, chunk=64, 64 chunks): 1.0 blocks eager against ~8.6 under value_and_grad.
+    Measured (CPU, V=4096, chunk=64, 64 chunks, softcap): 1.56 blocks eager against 12.3 under value_and_grad.
     """
     vocab, hidden, chunk, m = 4096, 32, 64, 64 * 64
     w = mx.random.normal((vocab, hidden), key=mx.random.key(16)) * 0.1

@@ -117,7 +117,8 @@ def test_width_multiple_is_checked():
 
 
 def test_auto_settings_are_decided_by_the_device():
-    from orpo.engine.objective import input_multiple, on_cuda
+    from orpo.device import on_cuda
+    from orpo.engine.objective import input_multiple
     e = resolve_engine({})
     assert e["prefix_sharing"] is (not on_cuda())
     assert input_multiple(e) == (128 if on_cuda() else None)

@@ -15,8 +15,6 @@ from pathlib import Path
 from orpo.hub import DATA_SUFFIXES, hub_failure_reason, is_hub_dataset
 from orpo.io import InputError, read_jsonl, sha256_file
 
-SUFFIXES = DATA_SUFFIXES
-
 
 @dataclass(frozen=True)
 class Item:
@@ -106,14 +104,14 @@ def _files(spec: str) -> list[str]:
         found = sorted(
             q.relative_to(p).as_posix()
             for q in p.rglob("*")
-            if q.is_file() and q.suffix in SUFFIXES and not any(part.startswith(".") for part in q.relative_to(p).parts)
+            if q.is_file() and q.suffix in DATA_SUFFIXES and not any(part.startswith(".") for part in q.relative_to(p).parts)
         )
         if not found:
-            raise InputError(spec, None, None, f"folder holds no {'/'.join(SUFFIXES)} files")
+            raise InputError(spec, None, None, f"folder holds no {'/'.join(DATA_SUFFIXES)} files")
         return [str(p / rel) for rel in found]
     if p.is_file():
-        if p.suffix not in SUFFIXES:
-            raise InputError(spec, None, None, f"unsupported file type '{p.suffix}' (expected {'/'.join(SUFFIXES)})")
+        if p.suffix not in DATA_SUFFIXES:
+            raise InputError(spec, None, None, f"unsupported file type '{p.suffix}' (expected {'/'.join(DATA_SUFFIXES)})")
         return [spec]
     raise InputError(spec, None, None, "no such file or folder (nor a hub id of the form owner/name[:split])")
 

@@ -14,6 +14,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from orpo.config import section_defaults
+from orpo.device import on_cuda
 from orpo.engine.head import LMHead, fused_logp, fused_logp_eager, head_logits, lm_head_of
 from orpo.engine.prefix import PackedPairs, plain_rows, shared_rows
 from orpo.engine.segmented import segmented_value_and_grad
@@ -54,12 +55,6 @@ def resolve_engine(engine: dict[str, Any] | None) -> dict[str, Any]:
 # lengths differentiate the unfused fallback ([B, H, L, L] scores kept). Measured on an H200 at a Llama-1B
 # layer (B 8, L 1024, bf16): causal fwd+bwd 1.03 ms at L 1024 against 7.54 ms at L 1023.
 CUDA_ATTENTION_MULTIPLE = 128
-
-
-def on_cuda() -> bool:
-    """Whether arrays go to a CUDA GPU (mx.cuda is absent on Metal and CPU builds)."""
-    cuda = getattr(mx, "cuda", None)
-    return mx.default_device().type == mx.gpu and cuda is not None and cuda.is_available()
 
 
 def input_multiple(engine: dict[str, Any]) -> int | None:

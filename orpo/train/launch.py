@@ -38,10 +38,9 @@ def resolve_backend(backend: str) -> str:
     """'any' -> nccl where CUDA is available, ring otherwise; other names unchanged."""
     if backend != "any":
         return backend
-    import mlx.core as mx
+    from orpo.device import cuda_available
 
-    cuda = getattr(mx, "cuda", None)  # absent from Metal and CPU-only builds
-    return "nccl" if cuda is not None and cuda.is_available() else "ring"
+    return "nccl" if cuda_available() else "ring"
 
 
 def free_ports(n: int) -> list[int]:

@@ -1,0 +1,16 @@
+"""Which MLX backend arrays go to: settings decided by the device ("auto") ask here."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+
+def cuda_available() -> bool:
+    """Whether this MLX build has a usable CUDA GPU (mx.cuda is absent from Metal and CPU-only builds)."""
+    cuda = getattr(mx, "cuda", None)
+    return cuda is not None and cuda.is_available()
+
+
+def on_cuda() -> bool:
+    """Whether arrays go to a CUDA GPU: the default device is the GPU and the build is a CUDA one."""
+    return mx.default_device().type == mx.gpu and cuda_available()

@@ -54,7 +54,8 @@ from orpo.engine.objective import PLAIN, pair_value_and_grad
 # "naive" is the plain path and each other case names exactly the techniques it turns on. Width multiple
 # 1 = rows exactly as long as the longest sequence: MLX as a user runs it (on CUDA, the unfused attention
 # backward unless the length happens to be a multiple of 128).
-ENGINE_DEFAULTS: dict[str, Any] = {**section_defaults("train")["engine"], **PLAIN, "width_multiple": 1}
+# compile false: a variant asks for mx.compile by name (the "-compiled" ones).
+ENGINE_DEFAULTS: dict[str, Any] = {**section_defaults("train")["engine"], **PLAIN, "width_multiple": 1, "compile": False}
 LORA = {**section_defaults("train")["lora"], "rank": 16, "dropout": 0.0,
         "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]}
 LAMBDA = 0.1

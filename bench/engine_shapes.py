@@ -101,6 +101,7 @@ def _main_cases(shape: Shape, segment_layers: int) -> list[Case]:
     """Naive, each technique alone, all together (with and without blockwise attention)."""
     seg = {"segment_layers": segment_layers}
     wide = {"width_multiple": 128}  # what width_multiple 0 (auto) gives on CUDA: cuDNN's attention backward
+    compiled = {"compile": True}
     return [
         Case("naive", shape),
         Case("width-128", shape, engine=wide),
@@ -115,6 +116,16 @@ def _main_cases(shape: Shape, segment_layers: int) -> list[Case]:
         Case("lean-128", shape, engine={"head": "fused", "head_chunk": 256, "segment_layers": 1, **wide}),
         Case("all-lean", shape, engine={"head": "fused", "head_chunk": 256, "segment_layers": 1, "prefix_sharing": True, **wide}),
         Case("blockwise-attn", shape, engine={"attention": "blockwise"}),
+        # The same programs under mx.compile (train.engine.compile; auto = on with CUDA).
+        Case("fused-128-compiled", shape, engine={"head": "fused", **wide, **compiled}),
+        Case("fused-prefix-128-compiled", shape, engine={"head": "fused", "prefix_sharing": True, **wide, **compiled}),
+        Case(f"seg{segment_layers}-128-compiled", shape, engine={"head": "fused", **seg, **wide, **compiled}),
+        Case("lean-128-compiled", shape, engine={"head": "fused", "head_chunk": 256, "segment_layers": 1, **wide, **compiled}),
+        Case("all-lean-compiled", shape, engine={"head": "fused", "head_chunk": 256, "segment_layers": 1,
+                                                 "prefix_sharing": True, **wide, **compiled}),
+        # Segments queued one ahead of the GPU (train.engine.overlap): speed for memory.
+        Case("all-lean-compiled-overlap", shape, engine={"head": "fused", "head_chunk": 256, "segment_layers": 1,
+                                                         "prefix_sharing": True, **wide, **compiled, "overlap": 1}),
     ]
 
 
@@ -169,11 +180,17 @@ def _prefix_suite(base: Shape, response: int) -> Suite:
     wide = {"width_multiple": 128}
     cases = [Case("naive", shape), Case("prefix", shape, engine={"prefix_sharing": True}),
              Case("width-128", shape, engine=wide, baseline="width-128"),
-             Case("prefix-128", shape, engine={"prefix_sharing": True, **wide}, baseline="width-128")]
+             Case("prefix-128", shape, engine={"prefix_sharing": True, **wide}, baseline="width-128"),
+             Case("width-128-compiled", shape, engine={**wide, "head": "fused", "compile": True},
+                  baseline="width-128-compiled"),
+             Case("prefix-128-compiled", shape, engine={"prefix_sharing": True, **wide, "head": "fused", "compile": True},
+                  baseline="width-128-compiled")]
     return Suite(cases, [Check("prefix sharing tokens/s, prompts 2x responses", "tokens_per_s",
                                "prefix", "naive", ">=", 1.4),
                          Check("prefix sharing tokens/s, prompts 2x responses, widths of 128", "tokens_per_s",
-                               "prefix-128", "width-128", ">=", 1.4)])
+                               "prefix-128", "width-128", ">=", 1.4),
+                         Check("prefix sharing tokens/s, prompts 2x responses, fused head, widths of 128, compiled",
+                               "tokens_per_s", "prefix-128-compiled", "width-128-compiled", ">=", 1.4)])
 
 
 CPU_SEGMENTS = replace(CPU_SMALL, hidden=128, heads=2, kv_heads=1, intermediate=384, vocab=4096, prompt=64, response=64)
@@ -181,9 +198,10 @@ CPU_SEGMENTS = replace(CPU_SMALL, hidden=128, heads=2, kv_heads=1, intermediate=
 CPU_RUN = {"steps": 3, "warmup": 1}
 # The issue's headline target, against bench/peer_liger.py's results (bench/engine.py --peer PEER.json).
 PEER_CHECKS = [Check(f"{v} vs torch+Liger tokens/s", "tokens_per_s", v, "peer:liger", ">=", 1.3)
-               for v in ("fused-128", "fused-prefix-128", "lean-128")]
+               for v in ("fused-128", "fused-prefix-128", "lean-128", "fused-128-compiled", "lean-128-compiled",
+                         "all-lean-compiled")]
 PEER_CHECKS += [Check(f"{v} peak vs torch+Liger+checkpointing peak", "peak_gb", v, "peer:liger-ckpt", "<=", 1.0)
-                for v in ("lean-128", "all-lean")]
+                for v in ("lean-128", "all-lean", "lean-128-compiled", "all-lean-compiled")]
 
 SUITES: dict[str, Suite] = {
     # The CPU sizes: every preset below its h200 twin, each finishing in about a minute on 2 idle cores.

@@ -40,6 +40,11 @@ ENGINES = {name: {**PLAIN, **e} for name, e in {
     "prefix_width_24": {"prefix_sharing": True, "width_multiple": 24},
     "all_width_128": {"head": "fused", "head_chunk": 7, "segment_layers": 2, "prefix_sharing": True,
                       "width_multiple": 128},
+    # Under mx.compile (whole step; per segment, with evaluations queued one ahead).
+    "fused_compiled": {"head": "fused", "head_chunk": 7, "compile": True},
+    "prefix_compiled": {"prefix_sharing": True, "compile": True},
+    "all_compiled_overlap": {"head": "fused", "head_chunk": 7, "segment_layers": 2, "prefix_sharing": True,
+                             "compile": True, "overlap": 1},
 }.items()}
 
 
@@ -122,12 +127,39 @@ def test_auto_settings_are_decided_by_the_device():
     e = resolve_engine({})
     assert e["prefix_sharing"] is (not on_cuda())
     assert input_multiple(e) == (128 if on_cuda() else None)
+    assert e["compile"] is on_cuda()
     assert resolve_engine({"prefix_sharing": False})["prefix_sharing"] is False
     with pytest.raises(ValueError, match="prefix_sharing"):
         resolve_engine({"prefix_sharing": "yes"})
+    with pytest.raises(ValueError, match="train.engine.compile"):
+        resolve_engine({"compile": "yes"})
+    with pytest.raises(ValueError, match="train.engine.overlap"):
+        resolve_engine({"overlap": -1})
 
 
-@pytest.mark.parametrize("engine", ["segments_1", "all"])
+@pytest.mark.parametrize("engine", ["fused_compiled", "all_compiled_overlap"])
+def test_a_compiled_step_reads_the_current_weights_and_dropout_keys(engine):
+    """A trace is reused across steps, so nothing it reads may be a stale constant: after the LoRA weights
+    and the dropout keys move, the compiled step still equals the uncompiled one, with no new trace."""
+    from orpo.engine.compiled import kept_count
+    model, keys = lora_model("llama", dropout=0.3)
+    pairs = random_pairs(8, 3)
+    compiled, eager = ENGINES[engine], {**ENGINES[engine], "compile": False}
+    first = pair_value_and_grad(model, pairs, LAM, compiled)
+    assert_close(first, pair_value_and_grad(model, pairs, LAM, eager))
+    traces = kept_count(model)
+    rng = np.random.default_rng(1)
+    model.load_weights([(k, v + mx.array(rng.normal(scale=0.05, size=v.shape).astype(np.float32)))
+                        for k, v in adapter_weights(model).items()], strict=False)
+    keys.at(4, 0)
+    second = pair_value_and_grad(model, pairs, LAM, compiled)
+    assert_close(second, pair_value_and_grad(model, pairs, LAM, eager))
+    assert kept_count(model) == traces > 0
+    # Control: the step really moved (new weights and masks give another loss and other gradients).
+    assert abs(second[0][0].item() - first[0][0].item()) > 100 * LOSS_TOL * abs(first[0][0].item())
+
+
+@pytest.mark.parametrize("engine", ["segments_1", "all", "all_compiled_overlap"])
 def test_segmented_recompute_redraws_the_dropout_masks(engine):
     """LoRA dropout 0.3: the segmented backward equals the plain backward of the same rows and masks."""
     model, keys = lora_model("llama", dropout=0.3)
@@ -190,7 +222,7 @@ def test_engine_settings_are_checked():
         resolve_engine({"segments": 2})
 
 
-ALL_ON = {"head": "fused", "head_chunk": 64, "segment_layers": 1, "prefix_sharing": True}
+ALL_ON = {"head": "fused", "head_chunk": 64, "segment_layers": 1, "prefix_sharing": True, "compile": True, "overlap": 1}
 
 
 def adapters(run) -> dict[str, np.ndarray]:

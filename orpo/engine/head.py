@@ -21,6 +21,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
+from orpo.engine.queue import EvalQueue
+
 # Model-args fields with which an mlx-lm family scales its logits beyond head(model.model(x)) [+ softcap]
 # (cohere, granite, minicpm, falcon_h1, ...): the fused head would score different logits, so refuse.
 _LOGIT_SCALING_ARGS = ("logit_scale", "logits_scaling", "dim_model_base", "output_multiplier", "lm_head_multiplier")
@@ -168,30 +170,34 @@ def _after(x: mx.array, previous: list[mx.array]) -> mx.array:
 
 
 def _logp_chunks(head: LMHead, h: mx.array, targets: mx.array, chunk: int, forward: Callable,
-                 eager: bool) -> tuple[mx.array, mx.array]:
-    """(logp, logsumexp) [M] chunk by chunk: chained for a lazy graph, or each chunk evaluated before the next."""
+                 queue: EvalQueue | None) -> tuple[mx.array, mx.array]:
+    """(logp, logsumexp) [M] chunk by chunk: chained for a lazy graph (queue None), or each chunk pushed to `queue`."""
     logp, lse = [], []
     for s in range(0, h.shape[0], chunk):
-        x = head.project(h[s : s + chunk] if eager else _after(h[s : s + chunk], logp[-1:] + lse[-1:]))
+        x = head.project(h[s : s + chunk] if queue is not None else _after(h[s : s + chunk], logp[-1:] + lse[-1:]))
         lp, ls = forward(x, targets[s : s + chunk])
-        if eager:
-            mx.eval(lp, ls)
+        if queue is not None:
+            queue.push(lp, ls)
         logp.append(lp)
         lse.append(ls)
+    if queue is not None:
+        queue.drain()
     return mx.concatenate(logp), mx.concatenate(lse)
 
 
 def _hidden_cotangent(head: LMHead, h: mx.array, targets: mx.array, lse: mx.array, g: mx.array, g_lse: mx.array,
-                      chunk: int, backward: Callable, eager: bool) -> mx.array:
+                      chunk: int, backward: Callable, queue: EvalQueue | None) -> mx.array:
     """d/dh of sum(g * logp + g_lse * lse), each chunk's logit block recomputed (the forward kept none)."""
     dh = []
     for s in range(0, h.shape[0], chunk):
         e = slice(s, s + chunk)
-        x = head.project(h[e] if eager else _after(h[e], dh[-1:]))
+        x = head.project(h[e] if queue is not None else _after(h[e], dh[-1:]))
         d = head.back_project(backward(x, lse[e], targets[e], g[e], g_lse[e]))
-        if eager:
-            mx.eval(d)
+        if queue is not None:
+            queue.push(d)
         dh.append(d)
+    if queue is not None:
+        queue.drain()
     return mx.concatenate(dh).astype(h.dtype)
 
 
@@ -201,34 +207,34 @@ def _fused(head: LMHead, chunk: int, skip_eps: float) -> Callable:
 
     @mx.custom_function
     def logp_lse(h: mx.array, targets: mx.array) -> tuple[mx.array, mx.array]:
-        return _logp_chunks(head, h, targets, chunk, forward, eager=False)
+        return _logp_chunks(head, h, targets, chunk, forward, None)
 
     @logp_lse.vjp
     def logp_lse_vjp(primals, cotangents, outputs):
         h, targets = primals
         g, g_lse = (c.astype(mx.float32) for c in cotangents)
-        return _hidden_cotangent(head, h, targets, outputs[1], g, g_lse, chunk, backward, eager=False), None
+        return _hidden_cotangent(head, h, targets, outputs[1], g, g_lse, chunk, backward, None), None
 
     return logp_lse
 
 
-def fused_logp_eager(head: LMHead, h: mx.array, targets: mx.array, chunk: int, skip_eps: float = 0.0
-                     ) -> tuple[mx.array, Callable[[mx.array], mx.array]]:
+def fused_logp_eager(head: LMHead, h: mx.array, targets: mx.array, chunk: int, skip_eps: float = 0.0,
+                     overlap: int = 0) -> tuple[mx.array, Callable[[mx.array], mx.array]]:
     """(logp [M], grad_fn): the fused head evaluated chunk by chunk, outside autodiff.
 
     For a caller that is not under a transform (the segmented backward): each chunk is evaluated before
     the next is built, so one [chunk, V] block is alive at a time, not the backend's run-ahead window
     (measured on the H200, segments of one layer: step peak 9.8 -> 6.4 GB). grad_fn(g) maps a cotangent
     on logp [M] to the one on h [M, H], recomputing each block, also chunk by chunk. Same math (the same
-    compiled blocks) as fused_logp.
+    compiled blocks) as fused_logp. `overlap` chunks may be in flight at once (orpo.engine.queue).
     """
     chunk = chunk_for(head.vocab_size, chunk)
     forward, backward = _forward_block(head.softcap), _grad_block(head.softcap, float(skip_eps))
-    logp, lse = _logp_chunks(head, h, targets, chunk, forward, eager=True)
+    logp, lse = _logp_chunks(head, h, targets, chunk, forward, EvalQueue(overlap))
 
     def grad_fn(g: mx.array) -> mx.array:
         g = g.astype(mx.float32)
-        return _hidden_cotangent(head, h, targets, lse, g, mx.zeros_like(g), chunk, backward, eager=True)
+        return _hidden_cotangent(head, h, targets, lse, g, mx.zeros_like(g), chunk, backward, EvalQueue(overlap))
 
     return logp, grad_fn
 

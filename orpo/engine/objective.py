@@ -1,7 +1,7 @@
 """The one entry the trainer calls: ORPO loss, metrics and LoRA gradients of a micro-batch, by the engine's settings.
 
 head (naive | fused) x segment_layers (0 = plain backward) x prefix_sharing x attention (mlx | blockwise)
-x width_multiple compose freely. All naive, no segments, no sharing, mlx attention is the trainer's
+x width_multiple x compile compose freely. All naive, no segments, no sharing, mlx attention is the trainer's
 original path itself (full logits of [chosen; rejected] rows under nn.value_and_grad), so it stays
 bit-identical; every other setting goes through our stack forward.
 """
@@ -15,6 +15,7 @@ import mlx.nn as nn
 
 from orpo.config import section_defaults
 from orpo.device import on_cuda
+from orpo.engine.compiled import kept, layout_arrays, layout_from
 from orpo.engine.head import LMHead, fused_logp, fused_logp_eager, head_logits, lm_head_of
 from orpo.engine.prefix import PackedPairs, plain_rows, shared_rows
 from orpo.engine.segmented import segmented_value_and_grad
@@ -39,10 +40,18 @@ def resolve_engine(engine: dict[str, Any] | None) -> dict[str, Any]:
     if e["attention"] not in ("mlx", "blockwise") or int(e["attention_block"]) < 1:
         raise ValueError(f"train.engine.attention: {e['attention']!r} must be one of mlx, blockwise and "
                          f"train.engine.attention_block >= 1 (got {e['attention_block']})")
+    if int(e["overlap"]) < 0:
+        raise ValueError(f"train.engine.overlap: must be >= 0 (got {e['overlap']})")
     if int(e["width_multiple"]) < 0:
         raise ValueError(f"train.engine.width_multiple: must be >= 0 (got {e['width_multiple']})")
     if e["prefix_sharing"] not in ("auto", True, False):
         raise ValueError(f"train.engine.prefix_sharing: {e['prefix_sharing']!r} is not one of auto, true, false")
+    if e["compile"] not in ("auto", True, False):
+        raise ValueError(f"train.engine.compile: {e['compile']!r} is not one of auto, true, false")
+    if e["compile"] == "auto":
+        # Measured on an H200: 1.5x tokens/s for the fused head at widths of 128 (bench/README.md). On the
+        # CPU each new shape's first call also pays a trace and a C++ build of its kernels: off there.
+        e["compile"] = on_cuda()
     if e["prefix_sharing"] == "auto":
         # On CUDA, with cuDNN's attention, sharing saved memory but not time on the H200 (0.91-0.94x tokens/s
         # at prompt = response, 1.01-1.05x at prompt = 2x response: bench/README.md): the shared rows need
@@ -129,7 +138,8 @@ def pair_value_and_grad(model: nn.Module, pairs: Pairs, lam: float,
         rows = lambda h: scored_rows(stack.norm(h), packed)  # noqa: E731
         x = rows(h)
         mx.eval(x)
-        logp, grad_fn = fused_logp_eager(head, x, packed.targets, int(e["head_chunk"]), float(e["softmax_skip_eps"]))
+        logp, grad_fn = fused_logp_eager(head, x, packed.targets, int(e["head_chunk"]), float(e["softmax_skip_eps"]),
+                                         int(e["overlap"]))
         (loss, metrics), g = mx.value_and_grad(lambda lp: loss_of(packed.weights @ lp))(logp)
         mx.eval(loss, metrics, g)
         _, (cot,) = mx.vjp(lambda h: [rows(h)], [h], [grad_fn(g)])
@@ -138,16 +148,41 @@ def pair_value_and_grad(model: nn.Module, pairs: Pairs, lam: float,
     if int(e["segment_layers"]) > 0:
         eager = head_value_and_grad if e["head"] == "fused" else None
         (loss, metrics), grads = segmented_value_and_grad(model, stack, packed.layout, loss_of_last,
-                                                          int(e["segment_layers"]), eager)
+                                                          int(e["segment_layers"]), eager, bool(e["compile"]),
+                                                          int(e["overlap"]))
+    elif e["compile"]:
+        (loss, metrics), grads = _compiled_whole(model, packed, n, lam, e)
     else:
-        def whole() -> tuple[mx.array, dict[str, mx.array]]:
-            h = stack.embed(packed.layout.tokens)
-            masks = stack.masks(packed.layout, h)
-            with stack.positions(packed.layout):
-                return loss_of_last(stack.run(h, masks, 0, len(stack.layers)))
-
-        (loss, metrics), grads = nn.value_and_grad(model, whole)()
+        (loss, metrics), grads = nn.value_and_grad(model, lambda: whole_loss(model, packed, n, lam, e))()
     return (loss, {**metrics, "prefix_fallbacks": mx.array(float(packed.fallbacks))}), grads
+
+
+def whole_loss(model: nn.Module, packed: PackedPairs, n: int, lam: float,
+               e: dict[str, Any]) -> tuple[mx.array, dict[str, mx.array]]:
+    """ORPO loss and metrics of n pairs' packed rows through the whole stack and the head (one graph)."""
+    stack, head = Stack(model, e["attention"], int(e["attention_block"])), lm_head_of(model)
+    h = stack.embed(packed.layout.tokens)
+    masks = stack.masks(packed.layout, h)
+    with stack.positions(packed.layout):
+        h = stack.run(h, masks, 0, len(stack.layers))
+    logps = packed_logps(head, stack.norm(h), packed, e)
+    return orpo_loss(logps[:n], logps[n:], lam)
+
+
+def _compiled_whole(model: nn.Module, packed: PackedPairs, n: int, lam: float,
+                    e: dict[str, Any]) -> tuple[tuple[mx.array, dict[str, mx.array]], Any]:
+    """nn.value_and_grad of `whole_loss` under mx.compile (the model's arrays are its implicit inputs)."""
+    structure, arrays = layout_arrays(packed.layout)
+
+    def build() -> Any:
+        def loss(arrays: dict[str, mx.array], index: mx.array, targets: mx.array, weights: mx.array) -> Any:
+            p = PackedPairs(layout_from(arrays, structure[1]), index, targets, weights, 0)
+            return whole_loss(model, p, n, lam, e)
+
+        return mx.compile(nn.value_and_grad(model, loss), inputs=model.state, outputs=model.state)
+
+    key = ("whole", tuple(sorted((k, str(v)) for k, v in e.items())), n, lam, structure)
+    return kept(model, key, build)(arrays, packed.index, packed.targets, packed.weights)
 
 
 def pair_logps(model: nn.Module, pairs: Pairs, engine: dict[str, Any] | None) -> tuple[mx.array, mx.array]:

@@ -19,6 +19,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_map_with_path, tree_unflatten
 
+from orpo.engine.compiled import kept, layout_arrays, mask_arrays, masks_from
+from orpo.engine.queue import EvalQueue
 from orpo.engine.stack import Layout, Stack
 
 HeadLoss = Callable[[mx.array], tuple[mx.array, dict[str, mx.array]]]
@@ -38,10 +40,78 @@ def _layer_params(stack: Stack, model: nn.Module) -> list[tuple[str, list[tuple[
     return per_layer
 
 
+def _segment_forward(stack: Stack, a: int, b: int) -> Callable[[mx.array, list[Any]], mx.array]:
+    """h -> layers a..b-1 of h under the given masks (call inside `stack.positions`)."""
+    return lambda h, masks: stack.run(h, masks, a, b)
+
+
+def _segment_vjp(stack: Stack, a: int, b: int) -> Callable[[mx.array, mx.array, list[Any]], list[mx.array]]:
+    """(h_in, cotangent of the output, masks) -> [cotangent of h_in, grads of each trainable array of layers a..b-1].
+
+    The grads come in the order of tree_flatten(layer.trainable_parameters()), layer by layer.
+    """
+    layers = stack.layers[a:b]
+
+    def vjp(h_in: mx.array, cot: mx.array, masks: list[Any]) -> list[mx.array]:
+        items = [tree_flatten(layer.trainable_parameters()) for layer in layers]
+        arrays = [v for its in items for _, v in its]
+
+        def segment(h0: mx.array, *params: mx.array) -> list[mx.array]:
+            it = iter(params)
+            for layer, its in zip(layers, items):
+                if its:  # run the layer on the traced parameters, so vjp reaches them
+                    layer.update(tree_unflatten([(k, next(it)) for k, _ in its]))
+            return [stack.run(h0, masks, a, b)]
+
+        try:
+            _, vjps = mx.vjp(segment, [h_in, *arrays], [cot])
+        finally:  # leave the layers holding their own parameter arrays, not the traced copies
+            for layer, its in zip(layers, items):
+                if its:
+                    layer.update(tree_unflatten(its))
+        return vjps
+
+    return vjp
+
+
+def _compiled_segment(stack: Stack, layout: Layout, a: int, b: int, what: str) -> Callable:
+    """`_segment_forward` or `_segment_vjp` of layers a..b-1 under mx.compile, kept per model and program.
+
+    The layers' own arrays (LoRA dropout keys and, inside `stack.positions`, the RoPE wrappers' positions
+    included) are the compiled function's implicit inputs; masks travel as arrays (orpo.engine.compiled).
+    """
+    states = [layer.state for layer in stack.layers[a:b]]
+
+    def call(*args: Any) -> Any:
+        *lead, masks = args
+        spec, arrays = mask_arrays(masks[a:b])
+        key = ("segment", what, a, b, spec, layout_arrays(layout)[0], stack.attention, stack.attention_block)
+
+        def build() -> Callable:
+            inner = _segment_forward(stack, a, b) if what == "forward" else _segment_vjp(stack, a, b)
+
+            def traced(*xs: mx.array) -> Any:
+                *lead_t, mask_t = xs
+                return inner(*lead_t, [None] * a + masks_from(spec, mask_t))
+
+            if what == "forward":
+                return mx.compile(traced, inputs=states)
+            return mx.compile(traced, inputs=states, outputs=states)
+
+        return kept(stack.model, key, build)(*lead, arrays)
+
+    return call
+
+
 def segmented_value_and_grad(model: nn.Module, stack: Stack, layout: Layout, head_loss: HeadLoss,
-                             segment_layers: int, head_value_and_grad: HeadValueAndGrad | None = None
-                             ) -> tuple[tuple[mx.array, dict[str, mx.array]], Any]:
-    """((loss, metrics), grads) of head_loss(last layer's output) over the layout, grads shaped like trainable_parameters()."""
+                             segment_layers: int, head_value_and_grad: HeadValueAndGrad | None = None,
+                             compiled: bool = False, overlap: int = 0) -> tuple[tuple[mx.array, dict[str, mx.array]], Any]:
+    """((loss, metrics), grads) of head_loss(last layer's output) over the layout, grads shaped like trainable_parameters().
+
+    `compiled`: each segment's forward and backward run under mx.compile (same math; MLX fuses the
+    elementwise kernels). `overlap`: segments whose evaluation may still run while the next one is
+    queued (0: each waited for, one segment's working set at a time; orpo.engine.queue).
+    """
     if segment_layers < 1:
         raise ValueError(f"train.engine.segment_layers: {segment_layers} must be >= 1 here")
     n = len(stack.layers)
@@ -51,16 +121,24 @@ def segmented_value_and_grad(model: nn.Module, stack: Stack, layout: Layout, hea
     # Layers below the lowest trainable one need no backward: the embedding is frozen.
     lowest = next((i for i, (_, items) in enumerate(per_layer) if items), n)
 
+    def forward(a: int, b: int) -> Callable:
+        return _compiled_segment(stack, layout, a, b, "forward") if compiled else _segment_forward(stack, a, b)
+
+    def backward(a: int, b: int) -> Callable:
+        return _compiled_segment(stack, layout, a, b, "vjp") if compiled else _segment_vjp(stack, a, b)
+
     h = mx.stop_gradient(stack.embed(layout.tokens))
     masks = stack.masks(layout, h)
     grads: dict[str, mx.array] = {}
+    queue = EvalQueue(overlap)
     with stack.positions(layout):
         boundary = [h]
-        mx.eval(h)
+        queue.push(h)
         for a, b in segments:
-            h = stack.run(boundary[-1], masks, a, b)
-            mx.eval(h)
+            h = forward(a, b)(boundary[-1], masks)
+            queue.push(h)
             boundary.append(h)
+        queue.drain()
 
         (loss, metrics), cot = (head_value_and_grad or mx.value_and_grad(head_loss))(boundary.pop())
         mx.eval(loss, metrics, cot)
@@ -69,26 +147,11 @@ def segmented_value_and_grad(model: nn.Module, stack: Stack, layout: Layout, hea
             h_in = boundary.pop()
             if b <= lowest:
                 break
-            layers = per_layer[a:b]
-            arrays = [v for _, items in layers for _, v in items]
-
-            def segment(h0: mx.array, *params: mx.array, a: int = a, b: int = b, layers=layers) -> list[mx.array]:
-                it = iter(params)
-                for layer, (_, items) in zip(stack.layers[a:b], layers):
-                    if items:  # run the layer on the traced parameters, so vjp reaches them
-                        layer.update(tree_unflatten([(k, next(it)) for k, _ in items]))
-                return [stack.run(h0, masks, a, b)]
-
-            try:
-                _, vjps = mx.vjp(segment, [h_in, *arrays], [cot])
-            finally:  # leave the model holding its own parameter arrays, not the traced copies
-                for layer, (_, items) in zip(stack.layers[a:b], layers):
-                    if items:
-                        layer.update(tree_unflatten(items))
-            cot = vjps[0]
-            it = iter(vjps[1:])
-            for prefix, items in layers:
+            cot, *param_grads = backward(a, b)(h_in, cot, masks)
+            it = iter(param_grads)
+            for prefix, items in per_layer[a:b]:
                 for k, _ in items:
                     grads[f"{prefix}.{k}"] = next(it)
-            mx.eval(cot, [grads[f"{p}.{k}"] for p, items in layers for k, _ in items])
+            queue.push(cot, param_grads)
+        queue.drain()
     return (loss, metrics), tree_map_with_path(lambda path, _: grads[path], model.trainable_parameters())

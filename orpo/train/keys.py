@@ -6,7 +6,8 @@ the same integers, so it draws the same LoRA init and the same dropout mask.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import mlx.core as mx
 import numpy as np
@@ -23,15 +24,31 @@ def derive_key(*parts: int) -> mx.array:
 
 @dataclass
 class DropoutKeys:
-    """Where training is (step, micro-batch): what every LoRA layer's dropout key is derived from."""
+    """Where training is (step, micro-batch): what every LoRA layer's dropout key is derived from.
+
+    Each registered layer holds its current key as an array in the model's own tree (`_dropout_key`),
+    rewritten when the pointer moves: a compiled step (orpo.engine.compiled) then reads the keys as inputs
+    along with the weights, instead of tracing a key made inside the graph as a constant.
+    """
 
     seed: int
     step: int = 0
     micro: int = 0
+    layers: list[Any] = field(default_factory=list, repr=False, compare=False)
 
     def at(self, step: int, micro: int = 0) -> None:
         """Point the keys at optimizer step `step`, micro-batch `micro`."""
         self.step, self.micro = step, micro
+        for layer in self.layers:
+            self._refresh(layer)
+
+    def register(self, layer: Any) -> None:
+        """Keep `layer._dropout_key` at the key of `layer.index` for wherever the pointer is."""
+        self.layers.append(layer)
+        self._refresh(layer)
+
+    def _refresh(self, layer: Any) -> None:
+        layer._dropout_key = self.key(layer.index)
 
     def key(self, index: int) -> mx.array:
         """The dropout key of LoRA module `index` at the current step and micro-batch."""

@@ -1,0 +1,94 @@
+"""The engine's step under `mx.compile`: each function traced once per program and input shape, kept per model.
+
+Why: outside the matmuls, a step is a long tail of small elementwise kernels (norms, RoPE, SiLU, the LoRA
+adds); compiled, MLX fuses them. Measured on an H200 (Llama-1B shape, bf16, 8192 tokens): the fused head
+with widths of 128 went 47,376 -> 72,430 tokens/s, segments of one layer 35,656 -> 45,715 (bench/README.md).
+
+Every array a traced graph reads must be an input, or the trace would replay stale values: the model's own
+arrays (weights, LoRA factors, each LoRA layer's current dropout key, the RoPE wrappers' position arrays
+while `Stack.positions` is active) are read through `inputs=<module>.state` at each call; the layout's
+arrays and the masks are arguments. What is Python-side (the settings, the number of pairs, lambda, the
+layout's structure, where a row splits, each layer's kind of mask) is part of the key under which a
+compiled function is kept, so a trace is only reused for the same program.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from orpo.engine.attention import SplitMask
+from orpo.engine.stack import Layout
+
+class _Kept:
+    """The compiled functions of one module, by key (a plain object: a dict would become a child module)."""
+
+    def __init__(self) -> None:
+        self.functions: dict[Hashable, Callable] = {}
+
+
+def _kept_of(owner: nn.Module) -> _Kept:
+    box = getattr(owner, "_compiled_functions", None)
+    if box is None:
+        box = _Kept()
+        owner._compiled_functions = box  # an attribute of the model, so it goes when the model goes
+    return box
+
+
+def kept(owner: nn.Module, key: Hashable, build: Callable[[], Callable]) -> Callable:
+    """The compiled function kept on `owner` under `key` (built on first use)."""
+    functions = _kept_of(owner).functions
+    if key not in functions:
+        functions[key] = build()
+    return functions[key]
+
+
+def kept_count(owner: nn.Module) -> int:
+    """How many compiled functions `owner` holds (each traced anew per input shape by MLX)."""
+    return len(_kept_of(owner).functions)
+
+
+LAYOUT_FIELDS = ("tokens", "positions", "visible", "shifted", "shift")
+
+
+def layout_arrays(layout: Layout) -> tuple[tuple[Hashable, ...], dict[str, mx.array]]:
+    """(structure key, arrays) of a layout: which fields are set and the split, and the arrays themselves."""
+    arrays = {f: getattr(layout, f) for f in LAYOUT_FIELDS if getattr(layout, f) is not None}
+    return (tuple(arrays), layout.split), arrays
+
+
+def layout_from(arrays: dict[str, mx.array], split: int | None) -> Layout:
+    """The Layout `layout_arrays` took apart (with traced arrays when called inside a trace)."""
+    return Layout(**arrays, split=split)
+
+
+def mask_arrays(masks: list[Any]) -> tuple[tuple[Hashable, ...], list[mx.array]]:
+    """(per-mask kind key, arrays) of a list of layer masks ("causal", None, an array or a SplitMask)."""
+    spec: list[Hashable] = []
+    arrays: list[mx.array] = []
+    for m in masks:
+        if isinstance(m, SplitMask):
+            spec.append(("split", m.split, len(arrays)))
+            arrays.append(m.bias)
+        elif isinstance(m, mx.array):
+            spec.append(("array", len(arrays)))
+            arrays.append(m)
+        else:
+            spec.append(m)
+    return tuple(spec), arrays
+
+
+def masks_from(spec: tuple[Hashable, ...], arrays: list[mx.array]) -> list[Any]:
+    """The masks `mask_arrays` took apart."""
+    out: list[Any] = []
+    for s in spec:
+        if isinstance(s, tuple) and s[0] == "split":
+            out.append(SplitMask(s[1], arrays[s[2]]))
+        elif isinstance(s, tuple) and s[0] == "array":
+            out.append(arrays[s[1]])
+        else:
+            out.append(s)
+    return out

@@ -101,6 +101,7 @@ def _timed(step: Callable[[], Any], steps: int, warmup: int) -> tuple[dict[str, 
 
 def run_step_case(case: Case, steps: int, warmup: int, seed: int) -> dict[str, Any]:
     """One full ORPO value_and_grad per step over the case's random pairs."""
+    from orpo.engine.queue import memory_limit
     from orpo.train.lora import apply_lora
 
     engine = {**ENGINE_DEFAULTS, **case.engine}
@@ -108,7 +109,8 @@ def run_step_case(case: Case, steps: int, warmup: int, seed: int) -> dict[str, A
     apply_lora(model, LORA, seed)
     model.train()
     pairs = random_pairs(case.shape, seed)
-    out, ((loss, _), _) = _timed(lambda: pair_value_and_grad(model, pairs, LAMBDA, engine), steps, warmup)
+    with memory_limit(float(engine["memory_limit_gb"])):  # as orpo.train.session applies it
+        out, ((loss, _), _) = _timed(lambda: pair_value_and_grad(model, pairs, LAMBDA, engine), steps, warmup)
     return {**out, "path": "engine.objective", "loss": loss.item(), "tokens_per_s": case.shape.two_forward_tokens() / out["step_s"]}
 
 

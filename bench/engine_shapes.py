@@ -97,8 +97,12 @@ CPU_SMALL = Shape(hidden=256, layers=4, heads=4, kv_heads=2, intermediate=768, v
                   pairs=4, prompt=128, response=128)
 
 
-def _main_cases(shape: Shape, segment_layers: int) -> list[Case]:
-    """Naive, each technique alone, all together (with and without blockwise attention)."""
+def _main_cases(shape: Shape, segment_layers: int, limit_gb: float) -> list[Case]:
+    """Naive, each technique alone, all together (with and without blockwise attention).
+
+    `limit_gb`: the memory limit (train.engine.memory_limit_gb) of the queued lean variant, set under the
+    peer's checkpointed peak on the GPU shape.
+    """
     seg = {"segment_layers": segment_layers}
     wide = {"width_multiple": 128}  # what width_multiple 0 (auto) gives on CUDA: cuDNN's attention backward
     compiled = {"compile": True}
@@ -126,6 +130,16 @@ def _main_cases(shape: Shape, segment_layers: int) -> list[Case]:
         # Segments queued one ahead of the GPU (train.engine.overlap): speed for memory.
         Case("all-lean-compiled-overlap", shape, engine={"head": "fused", "head_chunk": 256, "segment_layers": 1,
                                                          "prefix_sharing": True, **wide, **compiled, "overlap": 1}),
+        # Queued deeper, but MLX waits for queued work whenever memory passes the limit.
+        Case("all-lean-compiled-limited", shape, engine={"head": "fused", "head_chunk": 256, "segment_layers": 1,
+                                                         "prefix_sharing": True, **wide, **compiled, "overlap": 4,
+                                                         "memory_limit_gb": limit_gb}),
+        # Each layer's MLP differentiated in 4 token chunks (train.engine.mlp_chunks), waited for / queued one ahead.
+        Case("all-lean-mlp4-compiled", shape, engine={"head": "fused", "head_chunk": 256, "segment_layers": 1,
+                                                      "prefix_sharing": True, **wide, **compiled, "mlp_chunks": 4}),
+        Case("all-lean-mlp4-c-overlap", shape, engine={"head": "fused", "head_chunk": 256, "segment_layers": 1,
+                                                              "prefix_sharing": True, **wide, **compiled, "mlp_chunks": 4,
+                                                              "overlap": 1}),
     ]
 
 
@@ -199,18 +213,19 @@ CPU_RUN = {"steps": 3, "warmup": 1}
 # The issue's headline target, against bench/peer_liger.py's results (bench/engine.py --peer PEER.json).
 PEER_CHECKS = [Check(f"{v} vs torch+Liger tokens/s", "tokens_per_s", v, "peer:liger", ">=", 1.3)
                for v in ("fused-128", "fused-prefix-128", "lean-128", "fused-128-compiled", "lean-128-compiled",
-                         "all-lean-compiled")]
+                         "all-lean-compiled", "all-lean-compiled-limited", "all-lean-mlp4-c-overlap")]
 PEER_CHECKS += [Check(f"{v} peak vs torch+Liger+checkpointing peak", "peak_gb", v, "peer:liger-ckpt", "<=", 1.0)
-                for v in ("lean-128", "all-lean", "lean-128-compiled", "all-lean-compiled")]
+                for v in ("lean-128", "all-lean", "lean-128-compiled", "all-lean-compiled", "all-lean-compiled-limited",
+                          "all-lean-mlp4-compiled", "all-lean-mlp4-c-overlap")]
 
 SUITES: dict[str, Suite] = {
     # The CPU sizes: every preset below its h200 twin, each finishing in about a minute on 2 idle cores.
-    "cpu-small": Suite(_main_cases(CPU_SMALL, 2), PEER_CHECKS, **CPU_RUN),
+    "cpu-small": Suite(_main_cases(CPU_SMALL, 2, 0.1), PEER_CHECKS, **CPU_RUN),
     "cpu-head": replace(_head_suite(CPU_SMALL, 4000, 32000, 1024, 256), **CPU_RUN),
     "cpu-segments": replace(_segment_suite(CPU_SEGMENTS, 2, 8, 2), **CPU_RUN),
     "cpu-prefix": replace(_prefix_suite(CPU_SMALL, 64), **CPU_RUN),
     # The issue's reference shape and targets (the lent H200).
-    "h200": Suite(_main_cases(LLAMA_1B, 4), PEER_CHECKS),
+    "h200": Suite(_main_cases(LLAMA_1B, 4, 5.0), PEER_CHECKS),
     "h200-head": _head_suite(LLAMA_1B, 32000, 256000, 8192, 1024),
     "h200-segments": _segment_suite(LLAMA_1B, 8, 32, 4),
     "h200-prefix": _prefix_suite(LLAMA_1B, 512),

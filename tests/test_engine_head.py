@@ -361,7 +361,7 @@ def test_fused_backward_peak_does_not_grow_with_tokens():
 
     Measured (CPU, V=4096, chunk=64, one block = [64, 4096] float32 = 1 MiB): fused 8.2 -> 8.6 blocks
     (the blocks alive at once are the backend's run-ahead window, not M); naive 48 -> 193 MiB. M = 4
-    chunks would sit inside that window, so the comparison starts at 16. Unchained chunks (no `_after`)
+    chunks would sit inside that window, so the comparison starts at 16. Unchained chunks (no `after`)
     measured 36 -> 46 blocks: bounded by MLX's breadth-first width, hence the absolute bound too.
     """
     vocab, hidden, chunk = 4096, 32, 64

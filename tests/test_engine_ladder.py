@@ -45,6 +45,10 @@ ENGINES = {name: {**PLAIN, **e} for name, e in {
     "prefix_compiled": {"prefix_sharing": True, "compile": True},
     "all_compiled_overlap": {"head": "fused", "head_chunk": 7, "segment_layers": 2, "prefix_sharing": True,
                              "compile": True, "overlap": 1},
+    # Each layer's MLP differentiated in token chunks (3 chunks: the last one shorter).
+    "segments_1_mlp_chunks_3": {"segment_layers": 1, "mlp_chunks": 3},
+    "all_compiled_mlp_chunks_2": {"head": "fused", "head_chunk": 7, "segment_layers": 1, "prefix_sharing": True,
+                                  "compile": True, "overlap": 1, "mlp_chunks": 2},
 }.items()}
 
 
@@ -135,6 +139,14 @@ def test_auto_settings_are_decided_by_the_device():
         resolve_engine({"compile": "yes"})
     with pytest.raises(ValueError, match="train.engine.overlap"):
         resolve_engine({"overlap": -1})
+    with pytest.raises(ValueError, match="memory_limit_gb"):
+        resolve_engine({"memory_limit_gb": -1})
+
+
+def test_mlp_chunks_refuse_lora_dropout_on_the_mlp():
+    model, _ = lora_model("llama", dropout=0.1)
+    with pytest.raises(ValueError, match=r"mlp_chunks > 1 with LoRA dropout on the MLP \(down_proj"):
+        pair_value_and_grad(model, random_pairs(1, 2), LAM, ENGINES["segments_1_mlp_chunks_3"])
 
 
 @pytest.mark.parametrize("engine", ["fused_compiled", "all_compiled_overlap"])
@@ -255,9 +267,11 @@ def test_training_with_every_engine_option_ends_near_the_naive_run(tiny_base, sh
 
 
 def test_training_with_dropout_and_every_engine_option_replays(tiny_base, short_rendered, tmp_path):
-    """Dropout 0.2 + all engine options + accumulation: deterministic (replay from scratch is bit-exact), and B moves off zero."""
+    """Dropout 0.2 + all engine options (a memory limit too) + accumulation: deterministic (replay from scratch is
+    bit-exact), and B moves off zero."""
     settings = {"batch_size": 2, "grad_accum": 2, "max_steps": 4, "checkpoint_every": 2, "log_every": 1,
-                "lr": 0.01, "lora": {"rank": 4, "alpha": 8, "dropout": 0.2}, "engine": ALL_ON}
+                "lr": 0.01, "lora": {"rank": 4, "alpha": 8, "dropout": 0.2},
+                "engine": {**ALL_ON, "memory_limit_gb": 0.05}}  # a limit the steps keep running into
     run = tmp_path / "run"
     train(tiny_base, short_rendered, run, settings)
     assert replay(run, tiny_base, short_rendered, "final", "zero")["equal"]

@@ -24,16 +24,9 @@ from typing import Any
 
 import mlx.core as mx
 
+from orpo.engine.queue import after
+
 DEFAULT_BLOCK = 256
-
-
-def _after(x: mx.array, previous: list[mx.array]) -> mx.array:
-    """x, made to wait for the previous block's results (bounds how many [Lb, Lk] blocks MLX runs at once).
-
-    Independent blocks are scheduled breadth-first and hold their score blocks together; chained, only the
-    backend's run-ahead window is alive (the same lesson as orpo/engine/head.py's token chunks).
-    """
-    return mx.depends(x, previous) if previous else x
 
 
 def _masked_scores(s: mx.array, keep: mx.array | None, bias: mx.array | None, scale: float) -> mx.array:
@@ -146,7 +139,7 @@ def _attention(scale: float, causal: bool, has_mask: bool, block: int) -> Callab
         q5 = split(q, kvh)
         outs, lses = [], []
         for s, e, n in blocks(length):
-            qb = _after(rows(q5, s, e), outs[-1:] + lses[-1:])
+            qb = after(rows(q5, s, e), outs[-1:] + lses[-1:])
             scores = (qb @ k[:, :, :n].swapaxes(-1, -2)).reshape(b, kvh, g, e - s, n)
             p, lse = step(scores, *_block_masks(m5, causal, s, e, n))
             outs.append((p.reshape(b, kvh, g * (e - s), n) @ v[:, :, :n]).reshape(b, kvh, g, e - s, v.shape[-1]))
@@ -175,7 +168,7 @@ def _attention(scale: float, causal: bool, has_mask: bool, block: int) -> Callab
         dqs: list[mx.array] = []
         for s, e, n in blocks(length):
             # wait for all three of the previous block's results, so its P and dS are consumed and freed
-            qb = _after(rows(q5, s, e), [*dqs[-1:], dk, dv] if dqs else [])
+            qb = after(rows(q5, s, e), [*dqs[-1:], dk, dv] if dqs else [])
             dob = rows(do5, s, e)
             kb, vb = k[:, :, :n], v[:, :, :n]
             scores = (qb @ kb.swapaxes(-1, -2)).reshape(b, kvh, g, e - s, n)

@@ -4,7 +4,7 @@ Forward: token chunks; each computes its full-vocab [chunk, V] logit block, the 
 logsumexp and target logit, and is freed. Backward: an analytic vjp (`mx.custom_function`) that
 recomputes each chunk's block from the saved per-token logsumexp: d logp / dz = onehot - softmax, times
 1 - tanh^2 under a logit softcap. Token chunks, not a vocab-block online softmax: in MLX a sequential
-chain over vocab blocks in one graph kept every block alive. The chunks are chained (`_after`) so that
+chain over vocab blocks in one graph kept every block alive. The chunks are chained (`queue.after`) so that
 the blocks alive at once are a fixed few, whatever the token count (tests/test_engine_head.py measures it).
 Matmuls run in the head's dtype, as the model's own layer does; softmax math in float32.
 Pure MLX (CPU, CUDA, Metal); float and quantized heads. `skip_eps` only changes the math here (dense
@@ -21,7 +21,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from orpo.engine.queue import EvalQueue
+from orpo.engine.queue import EvalQueue, after
 
 # Model-args fields with which an mlx-lm family scales its logits beyond head(model.model(x)) [+ softcap]
 # (cohere, granite, minicpm, falcon_h1, ...): the fused head would score different logits, so refuse.
@@ -159,22 +159,12 @@ def _grad_block(cap: float | None, skip_eps: float) -> Callable:
     return mx.compile(block)
 
 
-def _after(x: mx.array, previous: list[mx.array]) -> mx.array:
-    """x, made to wait for the previous chunk's results.
-
-    Left independent, MLX's breadth-first eval schedules many chunks side by side and holds their
-    [chunk, V] blocks together (measured on CPU: up to ~20 blocks); chained, the blocks alive at once are
-    the backend's run-ahead window (~8 on CPU, lowered by mx.set_memory_limit), whatever the token count.
-    """
-    return mx.depends(x, previous) if previous else x
-
-
 def _logp_chunks(head: LMHead, h: mx.array, targets: mx.array, chunk: int, forward: Callable,
                  queue: EvalQueue | None) -> tuple[mx.array, mx.array]:
     """(logp, logsumexp) [M] chunk by chunk: chained for a lazy graph (queue None), or each chunk pushed to `queue`."""
     logp, lse = [], []
     for s in range(0, h.shape[0], chunk):
-        x = head.project(h[s : s + chunk] if queue is not None else _after(h[s : s + chunk], logp[-1:] + lse[-1:]))
+        x = head.project(h[s : s + chunk] if queue is not None else after(h[s : s + chunk], logp[-1:] + lse[-1:]))
         lp, ls = forward(x, targets[s : s + chunk])
         if queue is not None:
             queue.push(lp, ls)
@@ -191,7 +181,7 @@ def _hidden_cotangent(head: LMHead, h: mx.array, targets: mx.array, lse: mx.arra
     dh = []
     for s in range(0, h.shape[0], chunk):
         e = slice(s, s + chunk)
-        x = head.project(h[e] if queue is not None else _after(h[e], dh[-1:]))
+        x = head.project(h[e] if queue is not None else after(h[e], dh[-1:]))
         d = head.back_project(backward(x, lse[e], targets[e], g[e], g_lse[e]))
         if queue is not None:
             queue.push(d)

@@ -40,8 +40,11 @@ def resolve_engine(engine: dict[str, Any] | None) -> dict[str, Any]:
     if e["attention"] not in ("mlx", "blockwise") or int(e["attention_block"]) < 1:
         raise ValueError(f"train.engine.attention: {e['attention']!r} must be one of mlx, blockwise and "
                          f"train.engine.attention_block >= 1 (got {e['attention_block']})")
-    if int(e["overlap"]) < 0:
-        raise ValueError(f"train.engine.overlap: must be >= 0 (got {e['overlap']})")
+    if int(e["mlp_chunks"]) < 1:
+        raise ValueError(f"train.engine.mlp_chunks: must be >= 1 (got {e['mlp_chunks']})")
+    if int(e["overlap"]) < 0 or float(e["memory_limit_gb"]) < 0:
+        raise ValueError(f"train.engine.overlap and train.engine.memory_limit_gb: must be >= 0 "
+                         f"(got {e['overlap']}, {e['memory_limit_gb']})")
     if int(e["width_multiple"]) < 0:
         raise ValueError(f"train.engine.width_multiple: must be >= 0 (got {e['width_multiple']})")
     if e["prefix_sharing"] not in ("auto", True, False):
@@ -149,7 +152,7 @@ def pair_value_and_grad(model: nn.Module, pairs: Pairs, lam: float,
         eager = head_value_and_grad if e["head"] == "fused" else None
         (loss, metrics), grads = segmented_value_and_grad(model, stack, packed.layout, loss_of_last,
                                                           int(e["segment_layers"]), eager, bool(e["compile"]),
-                                                          int(e["overlap"]))
+                                                          int(e["overlap"]), int(e["mlp_chunks"]))
     elif e["compile"]:
         (loss, metrics), grads = _compiled_whole(model, packed, n, lam, e)
     else:

@@ -22,6 +22,7 @@ from mlx.utils import tree_flatten, tree_map_with_path, tree_unflatten
 from orpo.engine.compiled import kept, layout_arrays, mask_arrays, masks_from
 from orpo.engine.queue import EvalQueue
 from orpo.engine.stack import Layout, Stack
+from orpo.engine.tiled import tiled_mlps
 
 HeadLoss = Callable[[mx.array], tuple[mx.array, dict[str, mx.array]]]
 # h -> ((loss, metrics), d loss / d h): a head that differentiates itself (evaluating as it goes).
@@ -45,10 +46,12 @@ def _segment_forward(stack: Stack, a: int, b: int) -> Callable[[mx.array, list[A
     return lambda h, masks: stack.run(h, masks, a, b)
 
 
-def _segment_vjp(stack: Stack, a: int, b: int) -> Callable[[mx.array, mx.array, list[Any]], list[mx.array]]:
+def _segment_vjp(stack: Stack, a: int, b: int, mlp_chunks: int = 1
+                 ) -> Callable[[mx.array, mx.array, list[Any]], list[mx.array]]:
     """(h_in, cotangent of the output, masks) -> [cotangent of h_in, grads of each trainable array of layers a..b-1].
 
-    The grads come in the order of tree_flatten(layer.trainable_parameters()), layer by layer.
+    The grads come in the order of tree_flatten(layer.trainable_parameters()), layer by layer. With
+    mlp_chunks > 1 each layer's MLP is differentiated in that many token chunks (orpo.engine.tiled).
     """
     layers = stack.layers[a:b]
 
@@ -61,7 +64,8 @@ def _segment_vjp(stack: Stack, a: int, b: int) -> Callable[[mx.array, mx.array, 
             for layer, its in zip(layers, items):
                 if its:  # run the layer on the traced parameters, so vjp reaches them
                     layer.update(tree_unflatten([(k, next(it)) for k, _ in its]))
-            return [stack.run(h0, masks, a, b)]
+            with tiled_mlps(layers, mlp_chunks):
+                return [stack.run(h0, masks, a, b)]
 
         try:
             _, vjps = mx.vjp(segment, [h_in, *arrays], [cot])
@@ -74,7 +78,7 @@ def _segment_vjp(stack: Stack, a: int, b: int) -> Callable[[mx.array, mx.array, 
     return vjp
 
 
-def _compiled_segment(stack: Stack, layout: Layout, a: int, b: int, what: str) -> Callable:
+def _compiled_segment(stack: Stack, layout: Layout, a: int, b: int, what: str, mlp_chunks: int = 1) -> Callable:
     """`_segment_forward` or `_segment_vjp` of layers a..b-1 under mx.compile, kept per model and program.
 
     The layers' own arrays (LoRA dropout keys and, inside `stack.positions`, the RoPE wrappers' positions
@@ -85,10 +89,11 @@ def _compiled_segment(stack: Stack, layout: Layout, a: int, b: int, what: str) -
     def call(*args: Any) -> Any:
         *lead, masks = args
         spec, arrays = mask_arrays(masks[a:b])
-        key = ("segment", what, a, b, spec, layout_arrays(layout)[0], stack.attention, stack.attention_block)
+        key = ("segment", what, a, b, spec, layout_arrays(layout)[0], stack.attention, stack.attention_block,
+               mlp_chunks)
 
         def build() -> Callable:
-            inner = _segment_forward(stack, a, b) if what == "forward" else _segment_vjp(stack, a, b)
+            inner = _segment_forward(stack, a, b) if what == "forward" else _segment_vjp(stack, a, b, mlp_chunks)
 
             def traced(*xs: mx.array) -> Any:
                 *lead_t, mask_t = xs
@@ -105,12 +110,14 @@ def _compiled_segment(stack: Stack, layout: Layout, a: int, b: int, what: str) -
 
 def segmented_value_and_grad(model: nn.Module, stack: Stack, layout: Layout, head_loss: HeadLoss,
                              segment_layers: int, head_value_and_grad: HeadValueAndGrad | None = None,
-                             compiled: bool = False, overlap: int = 0) -> tuple[tuple[mx.array, dict[str, mx.array]], Any]:
+                             compiled: bool = False, overlap: int = 0, mlp_chunks: int = 1
+                             ) -> tuple[tuple[mx.array, dict[str, mx.array]], Any]:
     """((loss, metrics), grads) of head_loss(last layer's output) over the layout, grads shaped like trainable_parameters().
 
     `compiled`: each segment's forward and backward run under mx.compile (same math; MLX fuses the
     elementwise kernels). `overlap`: segments whose evaluation may still run while the next one is
-    queued (0: each waited for, one segment's working set at a time; orpo.engine.queue).
+    queued (0: each waited for, one segment's working set at a time; orpo.engine.queue). `mlp_chunks`:
+    token chunks of each layer's MLP backward (orpo.engine.tiled).
     """
     if segment_layers < 1:
         raise ValueError(f"train.engine.segment_layers: {segment_layers} must be >= 1 here")
@@ -125,7 +132,9 @@ def segmented_value_and_grad(model: nn.Module, stack: Stack, layout: Layout, hea
         return _compiled_segment(stack, layout, a, b, "forward") if compiled else _segment_forward(stack, a, b)
 
     def backward(a: int, b: int) -> Callable:
-        return _compiled_segment(stack, layout, a, b, "vjp") if compiled else _segment_vjp(stack, a, b)
+        if compiled:
+            return _compiled_segment(stack, layout, a, b, "vjp", mlp_chunks)
+        return _segment_vjp(stack, a, b, mlp_chunks)
 
     h = mx.stop_gradient(stack.embed(layout.tokens))
     masks = stack.masks(layout, h)

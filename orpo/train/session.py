@@ -16,6 +16,7 @@ from mlx_lm.utils import load_model
 from orpo.batching import batch_schedule
 from orpo.config import section_defaults
 from orpo.engine.objective import pair_logps, pair_value_and_grad
+from orpo.engine.queue import memory_limit
 from orpo.io import sha256_file
 from orpo.optim import current_lr, lora_adamw, warmup_steps_for
 from orpo.render.template import resolve_model_dir
@@ -65,6 +66,10 @@ class Session:
 
     def step(self, step: int) -> dict[str, float]:
         """Run optimizer step `step` (1-based) and return its metrics as floats."""
+        with memory_limit(float(self.s["engine"].get("memory_limit_gb", 0))):
+            return self._step(step)
+
+    def _step(self, step: int) -> dict[str, float]:
         if not self.model.training:  # evaluate() leaves it in eval mode (no dropout)
             self.model.train()
         parts = self.micro_batches(step)

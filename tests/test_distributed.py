@@ -192,3 +192,24 @@ def _alive(pid: int) -> bool:
 def test_processes_without_a_launcher_is_a_clear_error(tiny_base, short):
     with pytest.raises(ValueError, match="train.distributed.processes is 2"):
         build_session(tiny_base, short, TWO_RANKS)
+
+
+def test_two_ranks_with_the_cuda_default_engine_equal_one_process(tiny_base, short, tmp_path):
+    """The engine as CUDA runs it by default (fused head, widths of 128, no sharing, compiled), here on the
+    CPU: 2 ranks equal one process with twice the batch, and the run replays bit for bit."""
+    engine = {"head": "fused", "width_multiple": 128, "prefix_sharing": False, "compile": True}
+    one = tmp_path / "one"
+    train(tiny_base, short, one, {**SETTINGS, "batch_size": 4, "engine": engine})
+    two = tmp_path / "two"
+    done = _orpo(*_train_cmd(tiny_base, short, two, {**TWO_RANKS, "engine": engine}))
+    assert done.returncode == 0, done.stderr
+    a, b = mx.load(str(one / "adapters.safetensors")), mx.load(str(two / "adapters.safetensors"))
+    for k in a:
+        rel = float(mx.linalg.norm((a[k] - b[k]).flatten()) / mx.linalg.norm(a[k].flatten()))
+        assert float(mx.abs(a[k] - b[k]).max()) <= ADAPTER_ATOL and rel <= ADAPTER_RTOL, (k, rel)
+    assert json.loads((two / "settings.json").read_text())["engine_resolved"]["compile"] is True
+    out = tmp_path / "replay.json"
+    done = _orpo("replay", "--run", str(two), "--model", str(tiny_base), "--rendered", str(short),
+                 "--checkpoint", str(STEPS), "--from", "previous", "--out", str(out))
+    assert done.returncode == 0, done.stderr
+    assert json.loads(out.read_text())["equal"]

@@ -52,7 +52,7 @@ def resolve_engine(engine: dict[str, Any] | None) -> dict[str, Any]:
     if e["compile"] not in ("auto", True, False):
         raise ValueError(f"train.engine.compile: {e['compile']!r} is not one of auto, true, false")
     if e["compile"] == "auto":
-        # Measured on an H200: 1.5x tokens/s for the fused head at widths of 128 (bench/README.md). On the
+        # Measured on an H200: 1.43-1.51x tokens/s for the fused head at widths of 128 (bench/README.md). On the
         # CPU each new shape's first call also pays a trace and a C++ build of its kernels: off there.
         e["compile"] = on_cuda()
     if e["prefix_sharing"] == "auto":
@@ -128,6 +128,18 @@ def pair_value_and_grad(model: nn.Module, pairs: Pairs, lam: float,
         (loss, metrics), grads = nn.value_and_grad(model, naive_pair_loss)(model, tokens, mask, n, lam)
         return (loss, {**metrics, "prefix_fallbacks": mx.array(0.0)}), grads
     packed = pack(pairs, e)
+    if int(e["segment_layers"]) > 0:
+        (loss, metrics), grads = _segmented(model, packed, n, lam, e)
+    elif e["compile"]:
+        (loss, metrics), grads = _compiled_whole(model, packed, n, lam, e)
+    else:
+        (loss, metrics), grads = nn.value_and_grad(model, lambda: whole_loss(model, packed, n, lam, e))()
+    return (loss, {**metrics, "prefix_fallbacks": mx.array(float(packed.fallbacks))}), grads
+
+
+def _segmented(model: nn.Module, packed: PackedPairs, n: int, lam: float,
+               e: dict[str, Any]) -> tuple[tuple[mx.array, dict[str, mx.array]], Any]:
+    """((loss, metrics), grads) through the segmented backward; a fused head runs eagerly, chunk by chunk."""
     stack, head = Stack(model, e["attention"], int(e["attention_block"])), lm_head_of(model)
 
     def loss_of(logps: mx.array) -> tuple[mx.array, dict[str, mx.array]]:
@@ -148,27 +160,16 @@ def pair_value_and_grad(model: nn.Module, pairs: Pairs, lam: float,
         _, (cot,) = mx.vjp(lambda h: [rows(h)], [h], [grad_fn(g)])
         return (loss, metrics), cot
 
-    if int(e["segment_layers"]) > 0:
-        eager = head_value_and_grad if e["head"] == "fused" else None
-        (loss, metrics), grads = segmented_value_and_grad(model, stack, packed.layout, loss_of_last,
-                                                          int(e["segment_layers"]), eager, bool(e["compile"]),
-                                                          int(e["overlap"]), int(e["mlp_chunks"]))
-    elif e["compile"]:
-        (loss, metrics), grads = _compiled_whole(model, packed, n, lam, e)
-    else:
-        (loss, metrics), grads = nn.value_and_grad(model, lambda: whole_loss(model, packed, n, lam, e))()
-    return (loss, {**metrics, "prefix_fallbacks": mx.array(float(packed.fallbacks))}), grads
+    eager = head_value_and_grad if e["head"] == "fused" else None
+    return segmented_value_and_grad(model, stack, packed.layout, loss_of_last, int(e["segment_layers"]), eager,
+                                    bool(e["compile"]), int(e["overlap"]), int(e["mlp_chunks"]))
 
 
 def whole_loss(model: nn.Module, packed: PackedPairs, n: int, lam: float,
                e: dict[str, Any]) -> tuple[mx.array, dict[str, mx.array]]:
     """ORPO loss and metrics of n pairs' packed rows through the whole stack and the head (one graph)."""
-    stack, head = Stack(model, e["attention"], int(e["attention_block"])), lm_head_of(model)
-    h = stack.embed(packed.layout.tokens)
-    masks = stack.masks(packed.layout, h)
-    with stack.positions(packed.layout):
-        h = stack.run(h, masks, 0, len(stack.layers))
-    logps = packed_logps(head, stack.norm(h), packed, e)
+    hidden = Stack(model, e["attention"], int(e["attention_block"])).hidden(packed.layout)
+    logps = packed_logps(lm_head_of(model), hidden, packed, e)
     return orpo_loss(logps[:n], logps[n:], lam)
 
 

@@ -18,6 +18,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
 from orpo.engine.queue import after
+from orpo.train.lora import LoRALinear
 
 
 def tiled_vjp(mlp: nn.Module, chunks: int) -> Callable[..., mx.array]:
@@ -34,7 +35,7 @@ def tiled_vjp(mlp: nn.Module, chunks: int) -> Callable[..., mx.array]:
 
     @mx.custom_function
     def tiled(x: mx.array, *params: mx.array) -> mx.array:
-        return run(x, params)
+        return mlp(x)  # params are the MLP's own arrays (TiledMLP passes them): inputs only for the vjp
 
     @tiled.vjp
     def tiled_backward(primals, cotangent, output):
@@ -68,8 +69,6 @@ class TiledMLP(nn.Module):
 
 def _refuse_dropout(mlp: nn.Module) -> None:
     """A chunk's recompute would draw its LoRA dropout mask over the chunk's shape, not the forward's: refuse."""
-    from orpo.train.lora import LoRALinear
-
     for name, m in mlp.named_modules():
         if isinstance(m, LoRALinear) and m.training and m.p > 0:
             raise ValueError(f"train.engine.mlp_chunks > 1 with LoRA dropout on the MLP ({name}, dropout {m.p}): "

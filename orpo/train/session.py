@@ -66,7 +66,7 @@ class Session:
 
     def step(self, step: int) -> dict[str, float]:
         """Run optimizer step `step` (1-based) and return its metrics as floats."""
-        with memory_limit(float(self.s["engine"].get("memory_limit_gb", 0))):
+        with memory_limit(float(self.s["engine"]["memory_limit_gb"])):
             return self._step(step)
 
     def _step(self, step: int) -> dict[str, float]:

@@ -47,7 +47,7 @@ from orpo.config import section_defaults
 from orpo.device import cuda_available
 from orpo.train.data import Pairs
 
-from orpo.engine.head import fused_logp, lm_head_of
+from orpo.engine.head import fused_logp, fused_logp_eager, lm_head_of
 from orpo.engine.objective import PLAIN, pair_value_and_grad
 
 # Every case starts from the naive engine (not the schema's defaults, which switch techniques on), so
@@ -127,6 +127,17 @@ def run_head_case(case: Case, steps: int, warmup: int, seed: int) -> dict[str, A
     h = mx.random.normal((m, shape.hidden), key=key_h).astype(getattr(mx, shape.dtype))
     targets = mx.random.randint(0, shape.vocab, (m,), key=key_t)
     mx.eval(h, targets)
+    if engine["head"] == "fused" and case.engine.get("eager"):
+        # The segmented backward's head (fused_logp_eager): chunks evaluated one at a time, outside autodiff.
+        head, path = lm_head_of(model), f"engine.head eager c{engine['head_chunk']}"
+
+        def eager_step() -> tuple[mx.array, mx.array]:
+            logp, grad_fn = fused_logp_eager(head, h, targets, int(engine["head_chunk"]),
+                                             float(engine["softmax_skip_eps"]), int(engine["overlap"]))
+            return logp.mean(), grad_fn(mx.full(logp.shape, 1.0 / m))
+
+        out, (loss, _) = _timed(eager_step, steps, warmup)
+        return {**out, "path": path, "loss": loss.item(), "tokens_per_s": m / out["step_s"]}
     if engine["head"] == "fused":
         head, path = lm_head_of(model), f"engine.head c{engine['head_chunk']}"
         loss = lambda x: fused_logp(head, x, targets, int(engine["head_chunk"]),

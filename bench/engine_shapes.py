@@ -97,11 +97,11 @@ CPU_SMALL = Shape(hidden=256, layers=4, heads=4, kv_heads=2, intermediate=768, v
                   pairs=4, prompt=128, response=128)
 
 
-def _main_cases(shape: Shape, segment_layers: int, limit_gb: float) -> list[Case]:
+def _main_cases(shape: Shape, segment_layers: int, limit_gb: float, sweep_gb: tuple[float, ...] = ()) -> list[Case]:
     """Naive, each technique alone, all together (with and without blockwise attention).
 
     `limit_gb`: the memory limit (train.engine.memory_limit_gb) of the queued lean variant, set under the
-    peer's checkpointed peak on the GPU shape.
+    peer's checkpointed peak on the GPU shape; `sweep_gb`: more limits, each with overlap 1 and 4.
     """
     seg = {"segment_layers": segment_layers}
     wide = {"width_multiple": 128}  # what width_multiple 0 (auto) gives on CUDA: cuDNN's attention backward
@@ -140,7 +140,10 @@ def _main_cases(shape: Shape, segment_layers: int, limit_gb: float) -> list[Case
         Case("all-lean-mlp4-c-overlap", shape, engine={"head": "fused", "head_chunk": 256, "segment_layers": 1,
                                                               "prefix_sharing": True, **wide, **compiled, "mlp_chunks": 4,
                                                               "overlap": 1}),
-    ]
+    ] + [Case(f"all-lean-c-o{depth}-l{gb:g}", shape, engine={"head": "fused", "head_chunk": 256, "segment_layers": 1,
+                                                            "prefix_sharing": True, **wide, **compiled, "overlap": depth,
+                                                            "memory_limit_gb": gb})
+         for gb in sweep_gb for depth in (1, 4)]
 
 
 def _head_suite(base: Shape, small_vocab: int, large_vocab: int, tokens: int, chunk: int) -> Suite:
@@ -163,6 +166,9 @@ def _head_suite(base: Shape, small_vocab: int, large_vocab: int, tokens: int, ch
         # The default: head_chunk 0 sizes chunks by the vocabulary (orpo.engine.head.chunk_for).
         Case(f"fused-V{s}-auto", small, "head", {"head": "fused", "head_chunk": 0}, baseline=f"naive-V{s}"),
         Case(f"fused-V{l}-auto", large, "head", {"head": "fused", "head_chunk": 0}, baseline=f"naive-V{l}"),
+        # The segmented backward's head: the same blocks evaluated one chunk at a time (fused_logp_eager).
+        Case(f"eager-V{s}-auto", small, "head", {"head": "fused", "head_chunk": 0, "eager": True}, baseline=f"naive-V{s}"),
+        Case(f"eager-V{l}-auto", large, "head", {"head": "fused", "head_chunk": 0, "eager": True}, baseline=f"naive-V{l}"),
     ]
     checks = [Check(f"fused head peak, V={l} vs V={s} ({tokens} tokens, chunk {chunk})", m,
                     f"fused-V{l}", f"fused-V{s}", "<=", 1.1) for m in ("peak_gb", "extra_gb")]
@@ -170,6 +176,8 @@ def _head_suite(base: Shape, small_vocab: int, large_vocab: int, tokens: int, ch
                      f"fused-V{l}-c{scaled}", f"fused-V{s}", "<=", 1.1) for m in ("peak_gb", "extra_gb")]
     checks += [Check(f"fused head peak, V={l} vs V={s}, auto chunk (the default)", m,
                      f"fused-V{l}-auto", f"fused-V{s}-auto", "<=", 1.1) for m in ("peak_gb", "extra_gb")]
+    checks += [Check(f"fused head peak, V={l} vs V={s}, auto chunk, evaluated chunk by chunk (segmented backward)", m,
+                     f"eager-V{l}-auto", f"eager-V{s}-auto", "<=", 1.1) for m in ("peak_gb", "extra_gb")]
     return Suite(cases, checks, peer=False)
 
 
@@ -225,7 +233,7 @@ SUITES: dict[str, Suite] = {
     "cpu-segments": replace(_segment_suite(CPU_SEGMENTS, 2, 8, 2), **CPU_RUN),
     "cpu-prefix": replace(_prefix_suite(CPU_SMALL, 64), **CPU_RUN),
     # The issue's reference shape and targets (the lent H200).
-    "h200": Suite(_main_cases(LLAMA_1B, 4, 5.0), PEER_CHECKS),
+    "h200": Suite(_main_cases(LLAMA_1B, 4, 5.0, (3.0, 3.5, 4.0)), PEER_CHECKS),
     "h200-head": _head_suite(LLAMA_1B, 32000, 256000, 8192, 1024),
     "h200-segments": _segment_suite(LLAMA_1B, 8, 32, 4),
     "h200-prefix": _prefix_suite(LLAMA_1B, 512),

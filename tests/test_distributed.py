@@ -195,9 +195,9 @@ def test_processes_without_a_launcher_is_a_clear_error(tiny_base, short):
 
 
 def test_two_ranks_with_the_cuda_default_engine_equal_one_process(tiny_base, short, tmp_path):
-    """The engine as CUDA runs it by default (fused head, widths of 128, no sharing, compiled), here on the
-    CPU: 2 ranks equal one process with twice the batch, and the run replays bit for bit."""
-    engine = {"head": "fused", "width_multiple": 128, "prefix_sharing": False, "compile": True}
+    """The engine as CUDA runs it by default (fused head, widths of 128, prefix sharing, compiled), here on
+    the CPU: 2 ranks equal one process with twice the batch, and the run replays bit for bit."""
+    engine = {"head": "fused", "width_multiple": 128, "prefix_sharing": True, "compile": True}
     one = tmp_path / "one"
     train(tiny_base, short, one, {**SETTINGS, "batch_size": 4, "engine": engine})
     two = tmp_path / "two"

@@ -129,7 +129,7 @@ def test_auto_settings_are_decided_by_the_device():
     from orpo.device import on_cuda
     from orpo.engine.objective import input_multiple
     e = resolve_engine({})
-    assert e["prefix_sharing"] is (not on_cuda())
+    assert e["prefix_sharing"] is True  # on everywhere since the exclusion attention (bench/README.md)
     assert input_multiple(e) == (128 if on_cuda() else None)
     assert e["compile"] is on_cuda()
     assert resolve_engine({"prefix_sharing": False})["prefix_sharing"] is False

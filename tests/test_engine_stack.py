@@ -10,7 +10,7 @@ from test_train_models import COMMON, FAMILIES
 from conftest import MATMUL_TOL
 from orpo.engine.head import head_logits, lm_head_of
 from orpo.engine.prefix import plain_rows, shared_rows
-from orpo.engine.stack import Layout, Stack, UnsupportedModel
+from orpo.engine.stack import Layout, PositionedRope, Stack, UnsupportedModel
 from orpo.train.data import Pairs
 
 VOCAB = COMMON["vocab_size"]
@@ -98,34 +98,69 @@ def test_shared_rows_give_the_hidden_states_of_separate_forwards(variant):
 
     # Controls: rejected positions not restarted, or rejected seeing chosen, change the hidden states.
     lay = shared.layout
-    causal = mx.array(np.tril(np.ones(lay.visible.shape, bool)))
-    for broken in (Layout(lay.tokens, lay.positions, lay.visible, mx.zeros_like(lay.shifted), lay.shift),
-                   Layout(lay.tokens, lay.positions, causal, lay.shifted, lay.shift)):
+    physical = mx.broadcast_to(mx.arange(lay.tokens.shape[1], dtype=mx.int32)[None], lay.positions.shape)
+    for broken in (Layout(lay.tokens, physical, lay.restricted, lay.hidden_keys),
+                   Layout(lay.tokens, lay.positions, lay.restricted, mx.zeros_like(lay.hidden_keys))):
         h = stack.hidden(broken)
         assert np.abs(np.array(h.reshape(-1, h.shape[-1])[shared.index]) - want).max() > 1e-3
 
 
 @pytest.mark.parametrize("multiple", [None, 32])
-def test_shared_rows_attend_as_a_causal_part_and_a_masked_part(multiple):
-    """Rejected starts at one aligned column in every row; attention there runs as two parts (SplitMask),
-    equal to one attention under the whole block mask."""
-    import dataclasses
-
-    from orpo.engine.attention import SplitMask
+def test_shared_rows_attend_as_one_causal_attention(multiple):
+    """Prefix rows are packed tight ([prompt; chosen[:-1]; rejected own], padding only at the end); their
+    visibility equals a numpy oracle of the block mask; their masks are ExclusionMasks (one causal attention),
+    whose hidden states equal the layers run under the additive block mask."""
+    from orpo.engine.attention import ExclusionMask
     model = tiny_model("llama")
     pairs = with_unshared_pair(random_pairs(6, 4), 2)
     packed = shared_rows(pairs, multiple)
     lay = packed.layout
-    m = multiple or 16
-    assert lay.split % m == 0 and lay.tokens.shape[1] % m == 0
-    assert np.array(lay.shifted)[:, lay.split:].all() and not np.array(lay.shifted)[:, :lay.split].any()
+    n = lay.tokens.shape[1]
+    assert n % (multiple or 16) == 0
+    expected, widths = np.zeros((len(pairs), n, n), bool), []
+    for i in range(len(pairs)):
+        p = 0 if pairs.ids[i] == "unshared" else len(pairs.prompt[i])  # that pair's prompts differ: nothing shared
+        start = len(pairs.prompt[i]) + len(pairs.chosen[i]) - 1
+        widths.append(start + len(pairs.prompt[i]) + len(pairs.rejected[i]) - 1 - p)
+        q, k = np.arange(n)[:, None], np.arange(n)[None, :]
+        expected[i] = (k <= q) & ~((q >= start) & (k >= p) & (k < start))
+    assert n == -(-max(widths) // (multiple or 16)) * (multiple or 16)  # no padding inside a row
+    assert np.array_equal(np.array(lay.visible()), expected)
     stack = Stack(model)
-    masks = stack.masks(lay, stack.embed(lay.tokens))
-    assert all(isinstance(mask, SplitMask) for mask in masks)
-    whole = dataclasses.replace(lay, split=None)
-    assert not any(isinstance(mask, SplitMask) for mask in stack.masks(whole, stack.embed(lay.tokens)))
-    got, want = (np.array((h := stack.hidden(x)).reshape(-1, h.shape[-1])[packed.index]) for x in (lay, whole))
+    h0 = stack.embed(lay.tokens)
+    masks = stack.masks(lay, h0)
+    assert all(isinstance(mask, ExclusionMask) for mask in masks)
+    additive = mx.where(lay.visible(), mx.array(0.0), mx.array(-mx.inf))[:, None]
+    with stack.positions(lay):
+        by_mask = stack.norm(stack.run(h0, [additive] * len(masks), 0, len(masks)))
+    got, want = (np.array(h.reshape(-1, h.shape[-1])[packed.index]) for h in (stack.hidden(lay), by_mask))
     np.testing.assert_allclose(got, want, rtol=10 * MATMUL_TOL, atol=10 * MATMUL_TOL)
+
+
+ROPES = {
+    "plain": {},
+    "traditional": {"traditional": True},
+    "llama3": {"scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                           "original_max_position_embeddings": 64}},
+    "yarn": {"scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}},
+    "partial": {"dims": 8},
+}
+
+
+@pytest.mark.parametrize("kind", list(ROPES))
+def test_positioned_rope_equals_the_rope_at_each_tokens_position(kind):
+    """Oracle: the module's own rope called on each token alone at its own offset (an int)."""
+    from mlx_lm.models.rope_utils import initialize_rope
+    spec = ROPES[kind]
+    b, h, length, d = 2, 3, 7, 16
+    rope = initialize_rope(spec.get("dims", d), 10000.0, spec.get("traditional", False), spec.get("scaling"), 128)
+    x = mx.random.normal((b, length, h, d), key=mx.random.key(3)).transpose(0, 2, 1, 3)  # as mlx-lm passes it
+    positions = mx.array([[0, 1, 2, 3, 4, 5, 6], [0, 1, 2, 1, 2, 3, 4]], mx.int32)  # row 1 restarts at 1
+    got = PositionedRope(rope, positions)(x)
+    want = mx.stack([mx.concatenate([rope(x[r : r + 1, :, t : t + 1], offset=int(positions[r, t]))
+                                     for t in range(length)], axis=2)[0] for r in range(b)])
+    np.testing.assert_allclose(np.array(got), np.array(want), atol=1e-6, rtol=0)
+    assert np.abs(np.array(got[1, :, 3:]) - np.array(rope(x)[1, :, 3:])).max() > 1e-2  # the restart matters
 
 
 def test_sliding_window_uses_logical_positions():
@@ -133,8 +168,8 @@ def test_sliding_window_uses_logical_positions():
     pairs = random_pairs(4, 1)
     pairs.prompt[0], pairs.chosen[0], pairs.chosen_mask[0] = pairs.prompt[0][:4], list(range(1, 20)), [1] * 19
     layout = shared_rows(pairs).layout
-    pos, vis = np.array(layout.positions[0]), np.array(layout.visible[0])
-    q = int(np.nonzero(np.array(layout.shifted[0]))[0][0])  # rejected's first own token
+    pos, vis = np.array(layout.positions[0]), np.array(layout.visible()[0])
+    q = int(np.nonzero(np.array(layout.restricted[0]))[0][0])  # rejected's first own token
     assert pos[q] == 4 and q - 4 > WINDOW  # logically next to the prompt, physically far from it
     masks = Stack(tiny_model("gemma3_text")).masks(layout, mx.zeros((1, pos.size, 1)))
     local = np.array(masks[0])[0, 0] == 0  # additive for MLX's attention: 0 where visible, -inf elsewhere

@@ -20,7 +20,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from orpo.engine.attention import SplitMask
+from orpo.engine.attention import ExclusionMask
 from orpo.engine.stack import Layout
 
 class _Kept:
@@ -51,28 +51,28 @@ def kept_count(owner: nn.Module) -> int:
     return len(_kept_of(owner).functions)
 
 
-LAYOUT_FIELDS = ("tokens", "positions", "visible", "shifted", "shift")
+LAYOUT_FIELDS = ("tokens", "positions", "restricted", "hidden_keys")
 
 
 def layout_arrays(layout: Layout) -> tuple[tuple[Hashable, ...], dict[str, mx.array]]:
-    """(structure key, arrays) of a layout: which fields are set and the split, and the arrays themselves."""
+    """(structure key, arrays) of a layout: which fields are set, and the arrays themselves."""
     arrays = {f: getattr(layout, f) for f in LAYOUT_FIELDS if getattr(layout, f) is not None}
-    return (tuple(arrays), layout.split), arrays
+    return tuple(arrays), arrays
 
 
-def layout_from(arrays: dict[str, mx.array], split: int | None) -> Layout:
+def layout_from(arrays: dict[str, mx.array]) -> Layout:
     """The Layout `layout_arrays` took apart (with traced arrays when called inside a trace)."""
-    return Layout(**arrays, split=split)
+    return Layout(**arrays)
 
 
 def mask_arrays(masks: list[Any]) -> tuple[tuple[Hashable, ...], list[mx.array]]:
-    """(per-mask kind key, arrays) of a list of layer masks ("causal", None, an array or a SplitMask)."""
+    """(per-mask kind key, arrays) of a list of layer masks ("causal", None, an array or an ExclusionMask)."""
     spec: list[Hashable] = []
     arrays: list[mx.array] = []
     for m in masks:
-        if isinstance(m, SplitMask):
-            spec.append(("split", m.split, len(arrays)))
-            arrays.append(m.bias)
+        if isinstance(m, ExclusionMask):
+            spec.append(("exclusion", len(arrays)))
+            arrays.extend([m.queries, m.keys])
         elif isinstance(m, mx.array):
             spec.append(("array", len(arrays)))
             arrays.append(m)
@@ -85,8 +85,8 @@ def masks_from(spec: tuple[Hashable, ...], arrays: list[mx.array]) -> list[Any]:
     """The masks `mask_arrays` took apart."""
     out: list[Any] = []
     for s in spec:
-        if isinstance(s, tuple) and s[0] == "split":
-            out.append(SplitMask(s[1], arrays[s[2]]))
+        if isinstance(s, tuple) and s[0] == "exclusion":
+            out.append(ExclusionMask(arrays[s[1]], arrays[s[1] + 1]))
         elif isinstance(s, tuple) and s[0] == "array":
             out.append(arrays[s[1]])
         else:

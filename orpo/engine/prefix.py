@@ -82,12 +82,12 @@ def plain_rows(pairs: Pairs, input_multiple: int | None = None) -> PackedPairs:
 def shared_rows(pairs: Pairs, input_multiple: int | None = None) -> PackedPairs:
     """Prefix sharing: one row [prompt; chosen[:-1]; rejected[:-1]] per pair, rejected blind to chosen.
 
-    Every row's rejected part starts at the same column, `split` (the longest prompt + chosen, rounded up
-    to the multiple): attention can then run as a causal part before it and a masked part after it
-    (orpo.engine.attention.SplitMask). Rows are padded to a multiple of `input_multiple` (16 if None).
+    Rows are padded to a multiple of `input_multiple` (16 if None). The layout holds per-token vectors only
+    (positions, which tokens are rejected's, which keys are chosen's): attention runs as one causal attention
+    that hides chosen's keys from rejected's queries (orpo.engine.attention.ExclusionMask), and the [L, L]
+    visibility is built on the device only where a layer needs it (Layout.visible).
     """
     multiple = input_multiple or 16
-    split = -(-max(len(pairs.prompt[i]) + len(pairs.chosen[i]) - 1 for i in range(len(pairs))) // multiple) * multiple
     rows, shared, starts = [], [], []
     scored, where, targets = ([], []), ([], []), ([], [])  # (chosen, rejected), per pair
     fallbacks = 0
@@ -96,8 +96,8 @@ def shared_rows(pairs: Pairs, input_multiple: int | None = None) -> PackedPairs:
         p = shared_prompt_length(full_c, mc, full_r, mr)
         if p is None:
             fallbacks, p = fallbacks + 1, 0
-        start = split  # rejected's own tokens begin after prompt + chosen[:-1] + padding
-        rows.append(full_c[:-1] + [0] * (split - len(full_c) + 1) + full_r[p:-1])
+        start = len(full_c) - 1  # rejected's own tokens begin right after prompt + chosen[:-1]
+        rows.append(full_c[:-1] + full_r[p:-1])
         shared.append(p)
         starts.append(start)
         sc, sr = _scored(mc), _scored(mr)
@@ -111,20 +111,16 @@ def shared_rows(pairs: Pairs, input_multiple: int | None = None) -> PackedPairs:
     tokens = pad_rows(rows, 0, multiple)
     width = tokens.shape[1]
     index = [i * width + j for side in where for i, idx in enumerate(side) for j in idx]
-    return PackedPairs(_block_layout(tokens, np.array(shared), np.array(starts), split), mx.array(index, mx.int32),
+    return PackedPairs(_block_layout(tokens, np.array(shared), np.array(starts)), mx.array(index, mx.int32),
                        mx.array(targets[0] + targets[1], mx.int32), _weights(scored[0] + scored[1], len(index)),
                        fallbacks)
 
 
-def _block_layout(tokens: np.ndarray, shared: np.ndarray, starts: np.ndarray, split: int | None = None) -> Layout:
+def _block_layout(tokens: np.ndarray, shared: np.ndarray, starts: np.ndarray) -> Layout:
     """Positions and visibility of rows [shared prompt; chosen own; rejected own] (prompt lengths, rejected starts)."""
-    n, width = tokens.shape
-    pos = np.arange(width)[None, :].repeat(n, 0)
+    pos = np.arange(tokens.shape[1])[None, :]
     shift = starts - shared  # rejected's own tokens sit this far after their logical position
     in_rejected = pos >= starts[:, None]  # padding after it too: it sees what rejected sees, never read
-    q, k = pos[:, :, None], pos[:, None, :]
-    chosen_key = (k >= shared[:, None, None]) & (k < starts[:, None, None])
-    visible = (k <= q) & ~(in_rejected[:, :, None] & chosen_key)
+    hidden = (pos >= shared[:, None]) & (pos < starts[:, None])  # chosen's own keys: rejected cannot see them
     positions = np.where(in_rejected, pos - shift[:, None], pos)
-    return Layout(mx.array(tokens), mx.array(positions, mx.int32), mx.array(visible), mx.array(in_rejected),
-                  mx.array(-shift, mx.int32), split)
+    return Layout(mx.array(tokens), mx.array(positions, mx.int32), mx.array(in_rejected), mx.array(hidden))

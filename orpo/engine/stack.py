@@ -3,8 +3,9 @@
 embedding (gemma's sqrt(H) scale included) -> decoder layers, each called with an explicit mask -> final
 norm. On a plain layout (ordinary causal rows) every layer gets the very mask object the model would build
 itself, so the hidden states are bit-identical to `model.model(tokens)`. A packed layout (prefix sharing)
-carries per-token logical positions and a block visibility; sliding windows are applied on the logical
-positions, and RoPE sees them through a wrapper around each attention's own rope (below).
+carries per-token logical positions and the keys rejected's tokens may not see (one causal attention with
+an ExclusionMask); sliding windows are applied on the logical positions, and RoPE sees them through a
+wrapper around each attention's own rope (below).
 With attention="blockwise", the layers call orpo.engine.attention's blockwise attention (analytic backward)
 instead of mlx-lm's sdpa while inside `positions`; gemma2 computes its softcapped attention itself and keeps it.
 """
@@ -20,7 +21,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.base import create_attention_mask
 
-from orpo.engine.attention import DEFAULT_BLOCK, SplitMask, causal_blockwise_in, split_masks_in
+from orpo.engine.attention import DEFAULT_BLOCK, causal_blockwise_in, exclusion_mask, exclusion_masks_in
 
 # mlx-lm module name -> family ("mistral" is served by mlx_lm.models.llama).
 SUPPORTED = ("llama", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text")
@@ -34,44 +35,48 @@ class UnsupportedModel(ValueError):
 class Layout:
     """Input rows of one forward and, for packed rows, each token's logical position and what it may see.
 
-    `positions`, `visible` and `shifted` are None for plain causal rows. Otherwise `positions[r, i]` is the
-    RoPE position of token i, `visible[r, q, k]` says whether query q may attend to key k (causality
-    included), and `shifted[r, i]` marks the tokens whose position is `i + shift[r]` (the rest have `i`).
-    `split`, if set, says every row's tokens before it see exactly the causal keys before it (the
-    prefix-sharing rows: [prompt; chosen; pad] then [rejected; pad]), so attention may run as two parts.
+    `positions`, `restricted` and `hidden_keys` are None for plain causal rows. Otherwise `positions[r, i]` is
+    the RoPE position of token i, and `hidden_keys[r, k]` marks the keys no `restricted[r, q]` query may see
+    (prefix sharing: chosen's, from rejected's tokens, whose positions restart); beyond that, attention is
+    causal.
     """
 
     tokens: mx.array
     positions: mx.array | None = None
-    visible: mx.array | None = None
-    shifted: mx.array | None = None
-    shift: mx.array | None = None
-    split: int | None = None
+    restricted: mx.array | None = None
+    hidden_keys: mx.array | None = None
 
     @property
     def plain(self) -> bool:
         return self.positions is None
 
+    def visible(self) -> mx.array:
+        """[B, L, L] booleans: query q may attend to key k (causality included); built on the device."""
+        n = self.tokens.shape[1]
+        causal = mx.tril(mx.ones((n, n), mx.bool_))[None]
+        return causal & ~(self.restricted[:, :, None] & self.hidden_keys[:, None, :])
 
-class ShiftedRope(nn.Module):
-    """A module's own RoPE applied at offset 0 and at a per-row offset, picking per token.
 
-    mx.fast.rope takes one offset per batch row (an array), not one per token; a packed row needs two
-    position runs (0.. for prompt+chosen, restarting at the prompt length for rejected), so both are
-    computed and the token's run is selected. Each run is exactly the module's own rope, so any rope
-    variant (plain, llama3, yarn scaling) keeps its frequencies.
+class PositionedRope(nn.Module):
+    """A module's own RoPE applied at each token's own position (any rope variant keeps its frequencies).
+
+    mx.fast.rope takes one offset per leading row, not one per token; a packed row's positions restart for
+    rejected. So the [B, heads, L, D] input is viewed as B*L rows of one token each (a free reshape of the
+    [B, L, heads, D] projection it is a transpose of) and rotated with offsets = the flattened positions:
+    one rope pass, exactly the module's own at every position.
     """
 
-    def __init__(self, rope: nn.Module, shift: mx.array, shifted: mx.array):
+    def __init__(self, rope: nn.Module, positions: mx.array):
         super().__init__()
         self.inner = rope
-        self._shift = shift
-        self._shifted = shifted[:, None, :, None]  # [B, heads, L, D] inputs
+        self._positions = positions.reshape(-1)
 
     def __call__(self, x: mx.array, offset: int = 0) -> mx.array:
         if not isinstance(offset, int) or offset != 0:
-            raise ValueError("ShiftedRope is for cache-free forwards (offset 0)")
-        return mx.where(self._shifted, self.inner(x, offset=self._shift), self.inner(x))
+            raise ValueError("PositionedRope is for cache-free forwards (offset 0)")
+        b, h, length, d = x.shape
+        rows = x.transpose(0, 2, 1, 3).reshape(b * length, h, 1, d)
+        return self.inner(rows, offset=self._positions).reshape(b, length, h, d).transpose(0, 2, 1, 3)
 
 
 def family_of(model: nn.Module) -> str:
@@ -126,23 +131,24 @@ class Stack:
             if layout.plain:
                 built[w] = create_attention_mask(h, None, window_size=w, return_array=self.array_masks)
                 continue
-            mask = layout.visible
+            if self._excludes(w):
+                built[w] = exclusion_mask(layout.restricted, layout.hidden_keys, h.dtype)
+                continue
+            mask = layout.visible()
             if w is not None:
                 pos = layout.positions
                 mask = mask & ((pos[:, :, None] - pos[:, None, :]) < w)
             if self.attention == "mlx" and not self.array_masks:
                 # Additive, in the activation dtype, one per row: MLX's CUDA attention takes it as cuDNN's
                 # bias broadcast over heads, where a boolean mask is first expanded to [B, H, L, L].
-                mask = mx.where(mask, mx.array(0.0, h.dtype), mx.array(-mx.inf, h.dtype))[:, None]
-                built[w] = SplitMask(layout.split, mask[:, :, layout.split:]) if self._splits(layout, w) else mask
+                built[w] = mx.where(mask, mx.array(0.0, h.dtype), mx.array(-mx.inf, h.dtype))[:, None]
                 continue
             built[w] = mask[:, None, None] if self.mask_5d else mask[:, None]
         return [built[w] for w in self.windows]
 
-    def _splits(self, layout: Layout, window: int | None) -> bool:
-        """Whether a layer with this window runs the layout's attention as two parts (SplitMask)."""
-        return (layout.split is not None and window is None and self.attention == "mlx" and not self.array_masks
-                and 0 < layout.split < layout.tokens.shape[1])
+    def _excludes(self, window: int | None) -> bool:
+        """Whether a layer with this window runs a packed layout as one causal attention (ExclusionMask)."""
+        return window is None and self.attention == "mlx" and not self.array_masks
 
     @contextmanager
     def positions(self, layout: Layout) -> Iterator[None]:
@@ -151,8 +157,8 @@ class Stack:
         if self.attention == "blockwise":
             with causal_blockwise_in(modules, self.attention_block), self._rope_positions(layout):
                 yield
-        elif any(self._splits(layout, w) for w in self.windows):
-            with split_masks_in(modules), self._rope_positions(layout):
+        elif not layout.plain and any(self._excludes(w) for w in self.windows):
+            with exclusion_masks_in(modules), self._rope_positions(layout):
                 yield
         else:
             with self._rope_positions(layout):
@@ -168,7 +174,7 @@ class Stack:
         ropes = [a.rope for a in attns]
         try:
             for a, rope in zip(attns, ropes):
-                a.rope = ShiftedRope(rope, layout.shift, layout.shifted)
+                a.rope = PositionedRope(rope, layout.positions)
             yield
         finally:
             for a, rope in zip(attns, ropes):

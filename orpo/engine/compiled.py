@@ -8,7 +8,7 @@ Every array a traced graph reads must be an input, or the trace would replay sta
 arrays (weights, LoRA factors, each LoRA layer's current dropout key, the RoPE wrappers' position arrays
 while `Stack.positions` is active) are read through `inputs=<module>.state` at each call; the layout's
 arrays and the masks are arguments. What is Python-side (the settings, the number of pairs, lambda, the
-layout's structure, where a row splits, each layer's kind of mask) is part of the key under which a
+layout's structure: which of its fields are set, each layer's kind of mask) is part of the key under which a
 compiled function is kept, so a trace is only reused for the same program.
 """
 
@@ -22,6 +22,7 @@ import mlx.nn as nn
 
 from orpo.engine.attention import ExclusionMask
 from orpo.engine.stack import Layout
+
 
 class _Kept:
     """The compiled functions of one module, by key (a plain object: a dict would become a child module)."""

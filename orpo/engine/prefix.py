@@ -117,7 +117,8 @@ def shared_rows(pairs: Pairs, input_multiple: int | None = None) -> PackedPairs:
 
 
 def _block_layout(tokens: np.ndarray, shared: np.ndarray, starts: np.ndarray) -> Layout:
-    """Positions and visibility of rows [shared prompt; chosen own; rejected own] (prompt lengths, rejected starts)."""
+    """Positions, rejected's tokens and chosen's keys of rows [shared prompt; chosen own; rejected own]
+    (prompt lengths, rejected starts)."""
     pos = np.arange(tokens.shape[1])[None, :]
     shift = starts - shared  # rejected's own tokens sit this far after their logical position
     in_rejected = pos >= starts[:, None]  # padding after it too: it sees what rejected sees, never read

@@ -140,6 +140,10 @@ def _main_cases(shape: Shape, segment_layers: int, limit_gb: float, sweep_gb: tu
         Case("all-lean-mlp4-c-overlap", shape, engine={"head": "fused", "head_chunk": 256, "segment_layers": 1,
                                                               "prefix_sharing": True, **wide, **compiled, "mlp_chunks": 4,
                                                               "overlap": 1}),
+        # Both, under the memory limit: the MLP's chunks shrink the layer's working set, the limit holds the queue.
+        Case("all-lean-mlp4-c-o1-limited", shape, engine={"head": "fused", "head_chunk": 256, "segment_layers": 1,
+                                                          "prefix_sharing": True, **wide, **compiled, "mlp_chunks": 4,
+                                                          "overlap": 1, "memory_limit_gb": limit_gb}),
     ] + [Case(f"all-lean-c-o{depth}-l{gb:g}", shape, engine={"head": "fused", "head_chunk": 256, "segment_layers": 1,
                                                             "prefix_sharing": True, **wide, **compiled, "overlap": depth,
                                                             "memory_limit_gb": gb})
@@ -221,10 +225,11 @@ CPU_RUN = {"steps": 3, "warmup": 1}
 # The issue's headline target, against bench/peer_liger.py's results (bench/engine.py --peer PEER.json).
 PEER_CHECKS = [Check(f"{v} vs torch+Liger tokens/s", "tokens_per_s", v, "peer:liger", ">=", 1.3)
                for v in ("fused-128", "fused-prefix-128", "lean-128", "fused-128-compiled", "lean-128-compiled",
-                         "all-lean-compiled", "all-lean-compiled-limited", "all-lean-mlp4-c-overlap")]
+                         "all-lean-compiled", "all-lean-compiled-limited", "all-lean-mlp4-c-overlap",
+                         "all-lean-mlp4-c-o1-limited")]
 PEER_CHECKS += [Check(f"{v} peak vs torch+Liger+checkpointing peak", "peak_gb", v, "peer:liger-ckpt", "<=", 1.0)
                 for v in ("lean-128", "all-lean", "lean-128-compiled", "all-lean-compiled", "all-lean-compiled-limited",
-                          "all-lean-mlp4-compiled", "all-lean-mlp4-c-overlap")]
+                          "all-lean-mlp4-compiled", "all-lean-mlp4-c-overlap", "all-lean-mlp4-c-o1-limited")]
 
 SUITES: dict[str, Suite] = {
     # The CPU sizes: every preset below its h200 twin, each finishing in about a minute on 2 idle cores.
@@ -288,16 +293,17 @@ def format_table(rows: list[dict[str, Any]], title: str) -> str:
     A row: name, path, tokens_per_s, peak_gb, extra_gb, step_s, baseline (name), note (why it failed).
     """
     by_name = {r["name"]: r for r in rows}
-    head = f"{'variant':<26}{'path':<24}{'tokens/s':>11}{'x base':>8}{'peak GB':>9}{'x base':>8}" \
+    w = max([len("variant")] + [len(r["name"]) for r in rows]) + 1
+    head = f"{'variant':<{w}}{'path':<24}{'tokens/s':>11}{'x base':>8}{'peak GB':>9}{'x base':>8}" \
            f"{'extra GB':>10}{'x base':>8}{'step s':>9}"
     lines = [title, head, "-" * len(head)]
     for r in rows:
         if r.get("note"):
-            lines.append(f"{r['name']:<26}{r['note']}")
+            lines.append(f"{r['name']:<{w}}{r['note']}")
             continue
         base = by_name.get(r.get("baseline") or "", {})
         x = {k: _ratio(r, base, k) for k in ("tokens_per_s", "peak_gb", "extra_gb")}
-        lines.append(f"{r['name']:<26}{r['path']:<24}{r['tokens_per_s']:>11.0f}{x['tokens_per_s']}"
+        lines.append(f"{r['name']:<{w}}{r['path']:<24}{r['tokens_per_s']:>11.0f}{x['tokens_per_s']}"
                      f"{r['peak_gb']:>9.3f}{x['peak_gb']}{r['extra_gb']:>10.3f}{x['extra_gb']}{r['step_s']:>9.3f}")
     return "\n".join(lines)
 

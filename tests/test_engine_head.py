@@ -429,7 +429,7 @@ def test_eager_head_equals_the_fused_head_and_holds_one_block():
 
 
 def test_auto_chunk_holds_the_block_size_across_vocabularies():
-    """head_chunk 0: a [chunk, V] block holds ~2^26 logits at 32k and at 256k (the fixed chunk grows 8x)."""
+    """head_chunk 0: a [chunk, V] block holds ~2^25 logits at 32k and at 256k (the fixed chunk grows 8x)."""
     sizes = {v: chunk_for(v, 0) * v for v in (32_000, 128_256, 256_000)}
     assert all(0.9 * AUTO_BLOCK_LOGITS <= n <= AUTO_BLOCK_LOGITS for n in sizes.values()), sizes
     assert chunk_for(256_000, 0) < chunk_for(32_000, 0) and chunk_for(32_000, 7) == 7

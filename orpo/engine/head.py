@@ -229,13 +229,15 @@ def fused_logp_eager(head: LMHead, h: mx.array, targets: mx.array, chunk: int, s
     return logp, grad_fn
 
 
-# Auto chunking: about this many logits per [chunk, V] block (2^26 float32 = 256 MB), so the head's
-# peak stays the same whatever the vocabulary (a fixed token count per chunk grows with V).
-AUTO_BLOCK_LOGITS = 2**26
+# Auto chunking: about this many logits per [chunk, V] block (2^25 float32 = 128 MB), so the head's
+# peak stays the same whatever the vocabulary (a fixed token count per chunk grows with V). The lazy
+# path keeps about 8 chained blocks in flight on CUDA, so its peak is min(chunks, 8) blocks: 2^25 lets
+# 8192 tokens at V 32k fill that window (8 chunks) as V 256k does; 2^26 gave 4 chunks there and 2.0x.
+AUTO_BLOCK_LOGITS = 2**25
 
 
 def chunk_for(vocab_size: int, chunk: int) -> int:
-    """Tokens per chunk: `chunk` itself, or for 0 (auto) the count whose [chunk, V] block holds ~2^26 logits."""
+    """Tokens per chunk: `chunk` itself, or for 0 (auto) the count whose [chunk, V] block holds ~2^25 logits."""
     return chunk if chunk != 0 else max(16, AUTO_BLOCK_LOGITS // vocab_size // 16 * 16)
 
 

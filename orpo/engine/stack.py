@@ -89,15 +89,28 @@ def family_of(model: nn.Module) -> str:
     return family
 
 
+def exclusion_by_default() -> bool:
+    """Whether packed rows attend as one causal attention with exclusion dims (ExclusionMask) here.
+
+    Everywhere but on a Metal GPU: MLX's Metal attention trains on its unfused path whatever the mask, and
+    its fused forward needs the query head dim to equal the value's, which the exclusion dims break; an
+    additive mask keeps that kernel for validation's forwards (MLX's Metal sdpa dispatch; not measured here).
+    """
+    return not (mx.metal.is_available() and mx.default_device().type == mx.gpu)
+
+
 class Stack:
     """The parts of one mlx-lm model: embed, run layers a..b with chosen masks and positions, final norm."""
 
-    def __init__(self, model: nn.Module, attention: str = "mlx", attention_block: int = DEFAULT_BLOCK):
+    def __init__(self, model: nn.Module, attention: str = "mlx", attention_block: int = DEFAULT_BLOCK,
+                 exclusion: bool | None = None):
         self.family = family_of(model)
         self.model = model
         # "blockwise": inside `positions`, attention runs orpo.engine.attention's (gemma2 keeps its own).
         self.attention = attention
         self.attention_block = attention_block
+        # Packed rows: exclusion dims (one causal attention) or an additive block mask; None = by backend.
+        self.exclusion = exclusion_by_default() if exclusion is None else exclusion
         self.inner = model.model
         self.layers = list(self.inner.layers)
         self.windows = self._windows()
@@ -148,7 +161,7 @@ class Stack:
 
     def _excludes(self, window: int | None) -> bool:
         """Whether a layer with this window runs a packed layout as one causal attention (ExclusionMask)."""
-        return window is None and self.attention == "mlx" and not self.array_masks
+        return window is None and self.exclusion and self.attention == "mlx" and not self.array_masks
 
     @contextmanager
     def positions(self, layout: Layout) -> Iterator[None]:

@@ -123,6 +123,9 @@ def _main_cases(shape: Shape, segment_layers: int, limit_gb: float, sweep_gb: tu
         # The same programs under mx.compile (train.engine.compile; auto = on with CUDA).
         Case("fused-128-compiled", shape, engine={"head": "fused", **wide, **compiled}),
         Case("fused-prefix-128-compiled", shape, engine={"head": "fused", "prefix_sharing": True, **wide, **compiled}),
+        # The same with the head's forward blocks as a CUDA kernel (train.engine.head_kernel; pure MLX elsewhere).
+        Case("fused-prefix-128-c-kernel", shape, engine={"head": "fused", "prefix_sharing": True, **wide, **compiled,
+                                                         "head_kernel": "auto"}),
         Case(f"seg{segment_layers}-128-compiled", shape, engine={"head": "fused", **seg, **wide, **compiled}),
         Case("lean-128-compiled", shape, engine={"head": "fused", "head_chunk": 256, "segment_layers": 1, **wide, **compiled}),
         Case("all-lean-compiled", shape, engine={"head": "fused", "head_chunk": 256, "segment_layers": 1,
@@ -170,6 +173,11 @@ def _head_suite(base: Shape, small_vocab: int, large_vocab: int, tokens: int, ch
         # The default: head_chunk 0 sizes chunks by the vocabulary (orpo.engine.head.chunk_for).
         Case(f"fused-V{s}-auto", small, "head", {"head": "fused", "head_chunk": 0}, baseline=f"naive-V{s}"),
         Case(f"fused-V{l}-auto", large, "head", {"head": "fused", "head_chunk": 0}, baseline=f"naive-V{l}"),
+        # The same with the forward blocks as a CUDA kernel (train.engine.head_kernel; pure MLX off CUDA).
+        Case(f"fused-V{s}-auto-kernel", small, "head", {"head": "fused", "head_chunk": 0, "head_kernel": "auto"},
+             baseline=f"naive-V{s}"),
+        Case(f"fused-V{l}-auto-kernel", large, "head", {"head": "fused", "head_chunk": 0, "head_kernel": "auto"},
+             baseline=f"naive-V{l}"),
         # The segmented backward's head: the same blocks evaluated one chunk at a time (fused_logp_eager).
         Case(f"eager-V{s}-auto", small, "head", {"head": "fused", "head_chunk": 0, "eager": True}, baseline=f"naive-V{s}"),
         Case(f"eager-V{l}-auto", large, "head", {"head": "fused", "head_chunk": 0, "eager": True}, baseline=f"naive-V{l}"),

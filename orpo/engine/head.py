@@ -21,6 +21,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
+from orpo.engine.head_kernel import logsumexp_block
 from orpo.engine.queue import EvalQueue, after
 
 # Model-args fields with which an mlx-lm family scales its logits beyond head(model.model(x)) [+ softcap]
@@ -124,15 +125,24 @@ def lm_head_of(model: nn.Module) -> LMHead:
 
 
 @cache
-def _forward_block(cap: float | None) -> Callable:
-    """Compiled: raw logit block [c, V] and targets [c] -> (logp, logsumexp) in float32."""
+def _forward_block(cap: float | None, kernel: bool = False) -> Callable:
+    """Raw logit block [c, V] and targets [c] -> (logp, logsumexp) in float32: compiled MLX, or with `kernel`
+    the CUDA kernel of orpo.engine.head_kernel wherever it runs (same math; 1.8x the block on the H200)."""
 
     def block(x: mx.array, targets: mx.array) -> tuple[mx.array, mx.array]:
         z = _apply_softcap(x.astype(mx.float32), cap)
         lse = mx.logsumexp(z, axis=-1)
         return mx.take_along_axis(z, targets[:, None], axis=-1)[:, 0] - lse, lse
 
-    return mx.compile(block)
+    compiled = mx.compile(block)
+    if not kernel:
+        return compiled
+
+    def dispatch(x: mx.array, targets: mx.array) -> tuple[mx.array, mx.array]:
+        fast = logsumexp_block(cap)  # None off a CUDA GPU
+        return (fast or compiled)(x, targets)
+
+    return dispatch
 
 
 @cache
@@ -191,9 +201,9 @@ def _hidden_cotangent(head: LMHead, h: mx.array, targets: mx.array, lse: mx.arra
     return mx.concatenate(dh).astype(h.dtype)
 
 
-def _fused(head: LMHead, chunk: int, skip_eps: float) -> Callable:
+def _fused(head: LMHead, chunk: int, skip_eps: float, kernel: bool) -> Callable:
     """The custom function (h [M, H], targets [M]) -> (logp, logsumexp), with its chunked analytic vjp."""
-    forward, backward = _forward_block(head.softcap), _grad_block(head.softcap, skip_eps)
+    forward, backward = _forward_block(head.softcap, kernel), _grad_block(head.softcap, skip_eps)
 
     @mx.custom_function
     def logp_lse(h: mx.array, targets: mx.array) -> tuple[mx.array, mx.array]:
@@ -209,7 +219,7 @@ def _fused(head: LMHead, chunk: int, skip_eps: float) -> Callable:
 
 
 def fused_logp_eager(head: LMHead, h: mx.array, targets: mx.array, chunk: int, skip_eps: float = 0.0,
-                     overlap: int = 0) -> tuple[mx.array, Callable[[mx.array], mx.array]]:
+                     overlap: int = 0, kernel: bool = False) -> tuple[mx.array, Callable[[mx.array], mx.array]]:
     """(logp [M], grad_fn): the fused head evaluated chunk by chunk, outside autodiff.
 
     For a caller that is not under a transform (the segmented backward): each chunk is evaluated before
@@ -219,7 +229,7 @@ def fused_logp_eager(head: LMHead, h: mx.array, targets: mx.array, chunk: int, s
     compiled blocks) as fused_logp. `overlap` chunks may be in flight at once (orpo.engine.queue).
     """
     chunk = chunk_for(head.vocab_size, chunk)
-    forward, backward = _forward_block(head.softcap), _grad_block(head.softcap, float(skip_eps))
+    forward, backward = _forward_block(head.softcap, kernel), _grad_block(head.softcap, float(skip_eps))
     logp, lse = _logp_chunks(head, h, targets, chunk, forward, EvalQueue(overlap))
 
     def grad_fn(g: mx.array) -> mx.array:
@@ -241,12 +251,14 @@ def chunk_for(vocab_size: int, chunk: int) -> int:
     return chunk if chunk != 0 else max(16, AUTO_BLOCK_LOGITS // vocab_size // 16 * 16)
 
 
-def fused_logp(head: LMHead, h: mx.array, targets: mx.array, chunk: int = 1024, skip_eps: float = 0.0) -> mx.array:
+def fused_logp(head: LMHead, h: mx.array, targets: mx.array, chunk: int = 1024, skip_eps: float = 0.0,
+               kernel: bool = False) -> mx.array:
     """log softmax(softcap(h W^T))[target] per token, float32, token-chunked; differentiable w.r.t. h only.
 
     h [..., H] (any float dtype) and targets [...] (int) give logp [...]. The backward recomputes one
     [chunk, V] block at a time (chunk 0: `chunk_for`'s vocabulary-scaled size); `skip_eps` > 0 treats
-    softmax probabilities below it as 0 there.
+    softmax probabilities below it as 0 there. `kernel`: the forward blocks run as a CUDA kernel where
+    one runs (orpo.engine.head_kernel), pure MLX otherwise.
     """
     chunk = chunk_for(head.vocab_size, chunk)
     if h.ndim < 1 or h.shape[-1] != head.hidden_size:
@@ -263,5 +275,5 @@ def fused_logp(head: LMHead, h: mx.array, targets: mx.array, chunk: int = 1024, 
     flat_h, flat_t = h.reshape(-1, h.shape[-1]), targets.reshape(-1)
     if flat_h.shape[0] == 0:
         return mx.zeros(lead, dtype=mx.float32)
-    logp, _ = _fused(head, chunk, float(skip_eps))(flat_h, flat_t)
+    logp, _ = _fused(head, chunk, float(skip_eps), bool(kernel))(flat_h, flat_t)
     return logp.reshape(lead)

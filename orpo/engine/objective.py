@@ -51,6 +51,13 @@ def resolve_engine(engine: dict[str, Any] | None) -> dict[str, Any]:
         raise ValueError(f"train.engine.prefix_sharing: {e['prefix_sharing']!r} is not one of auto, true, false")
     if e["compile"] not in ("auto", True, False):
         raise ValueError(f"train.engine.compile: {e['compile']!r} is not one of auto, true, false")
+    if e["head_kernel"] not in ("auto", True, False):
+        raise ValueError(f"train.engine.head_kernel: {e['head_kernel']!r} is not one of auto, true, false")
+    if e["head_kernel"] is True and not on_cuda():
+        raise ValueError("train.engine.head_kernel: true needs a CUDA GPU (mx.fast.cuda_kernel); "
+                         f"the default device here is {mx.default_device()}; use auto or false")
+    if e["head_kernel"] == "auto":
+        e["head_kernel"] = on_cuda()
     if e["compile"] == "auto":
         # Measured on an H200: 1.43-1.51x tokens/s for the fused head at widths of 128 (bench/README.md). On the
         # CPU each new shape's first call also pays a trace and a C++ build of its kernels: off there.
@@ -106,7 +113,8 @@ def packed_logps(head: LMHead, hidden: mx.array, packed: PackedPairs, engine: di
     """Mean response log-prob of each sequence [2B] (chosen rows, then rejected) from final hidden states."""
     h = scored_rows(hidden, packed)
     if engine["head"] == "fused":
-        logp = fused_logp(head, h, packed.targets, int(engine["head_chunk"]), float(engine["softmax_skip_eps"]))
+        logp = fused_logp(head, h, packed.targets, int(engine["head_chunk"]), float(engine["softmax_skip_eps"]),
+                          bool(engine["head_kernel"]))
     else:
         logits = head_logits(head, h).astype(mx.float32)
         logp = mx.take_along_axis(logits, packed.targets[:, None], axis=-1)[:, 0] - mx.logsumexp(logits, axis=-1)
@@ -153,7 +161,7 @@ def _segmented(model: nn.Module, packed: PackedPairs, n: int, lam: float,
         x = rows(h)
         mx.eval(x)
         logp, grad_fn = fused_logp_eager(head, x, packed.targets, int(e["head_chunk"]), float(e["softmax_skip_eps"]),
-                                         int(e["overlap"]))
+                                         int(e["overlap"]), bool(e["head_kernel"]))
         (loss, metrics), g = mx.value_and_grad(lambda lp: loss_of(packed.weights @ lp))(logp)
         mx.eval(loss, metrics, g)
         _, (cot,) = mx.vjp(lambda h: [rows(h)], [h], [grad_fn(g)])

@@ -99,16 +99,22 @@ def _timed(step: Callable[[], Any], steps: int, warmup: int) -> tuple[dict[str, 
     return {"step_s": secs, "peak_gb": peak / GB, "extra_gb": (peak - resident) / GB, "resident_gb": resident / GB}, out
 
 
-def run_step_case(case: Case, steps: int, warmup: int, seed: int) -> dict[str, Any]:
-    """One full ORPO value_and_grad per step over the case's random pairs."""
-    from orpo.engine.queue import memory_limit
+def step_inputs(case: Case, seed: int) -> tuple[nn.Module, Pairs]:
+    """A step case's model (random init, LoRA, train mode) and its random pairs."""
     from orpo.train.lora import apply_lora
 
-    engine = {**ENGINE_DEFAULTS, **case.engine}
     model = build_model(case.shape, seed)
     apply_lora(model, LORA, seed)
     model.train()
-    pairs = random_pairs(case.shape, seed)
+    return model, random_pairs(case.shape, seed)
+
+
+def run_step_case(case: Case, steps: int, warmup: int, seed: int) -> dict[str, Any]:
+    """One full ORPO value_and_grad per step over the case's random pairs."""
+    from orpo.engine.queue import memory_limit
+
+    engine = {**ENGINE_DEFAULTS, **case.engine}
+    model, pairs = step_inputs(case, seed)
     with memory_limit(float(engine["memory_limit_gb"])):  # as orpo.train.session applies it
         out, ((loss, _), _) = _timed(lambda: pair_value_and_grad(model, pairs, LAMBDA, engine), steps, warmup)
     return {**out, "path": "engine.objective", "loss": loss.item(), "tokens_per_s": case.shape.two_forward_tokens() / out["step_s"]}

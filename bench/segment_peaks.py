@@ -14,14 +14,13 @@ import argparse
 import json
 
 import mlx.core as mx
-from engine import LAMBDA, LORA, build_model, random_pairs  # this script runs from bench/
+from engine import LAMBDA, step_inputs  # this script runs from bench/
 from engine_shapes import SUITES
 
 import orpo.engine.head as head_module
 import orpo.engine.queue as queue_module
 import orpo.engine.segmented as segmented_module
 from orpo.engine.objective import ENGINE_DEFAULTS, pair_value_and_grad
-from orpo.train.lora import apply_lora
 
 GB = 1e9
 PHASES: list[tuple[str, float]] = []
@@ -51,10 +50,7 @@ def main() -> None:
     engine = {**ENGINE_DEFAULTS, **case.engine, **json.loads(a.engine)}
     segmented_module.EvalQueue = recording_queue("segment")
     head_module.EvalQueue = recording_queue("head")
-    model = build_model(case.shape, 0)
-    apply_lora(model, LORA, 0)
-    model.train()
-    pairs = random_pairs(case.shape, 0)
+    model, pairs = step_inputs(case, 0)
     for _ in range(a.steps):
         PHASES.clear()
         mx.reset_peak_memory()

@@ -14,6 +14,7 @@ already. CUDA only (`mx.fast.cuda_kernel`); elsewhere `logsumexp_block` returns 
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import cache
 
 import mlx.core as mx
 
@@ -82,26 +83,30 @@ _SOURCE = """
     }
 """
 
-_kernel = None
+@cache
+def _kernel() -> Callable:
+    """The compiled CUDA kernel (built on first use: NVRTC compiles it per template instance)."""
+    return mx.fast.cuda_kernel(name="orpo_head_logsumexp", input_names=["x", "targets", "cap"],
+                               output_names=["logp", "lse"], source=_SOURCE)
 
 
-def logsumexp_block(cap: float | None) -> Callable[[mx.array, mx.array], tuple[mx.array, mx.array]] | None:
-    """(x [c, V], targets [c]) -> (target log-prob, logsumexp), float32, by the kernel; None where it cannot run."""
-    global _kernel
-    if not on_cuda():
-        return None
-    if _kernel is None:
-        _kernel = mx.fast.cuda_kernel(name="orpo_head_logsumexp", input_names=["x", "targets", "cap"],
-                                      output_names=["logp", "lse"], source=_SOURCE)
+@cache
+def _block(cap: float | None) -> Callable[[mx.array, mx.array], tuple[mx.array, mx.array]]:
+    """The kernel's block function for one softcap (kept: the head calls it once per chunk)."""
     cap_array = mx.array([cap or 1.0], mx.float32)
 
     def block(x: mx.array, targets: mx.array) -> tuple[mx.array, mx.array]:
         c, v = x.shape
-        logp, lse = _kernel(inputs=[x, targets.astype(mx.int32), cap_array],
-                            template=[("T", x.dtype), ("V", v), ("NT", THREADS), ("VEC", v % (16 // x.itemsize) == 0),
-                                      ("CAP", cap is not None)],
-                            grid=(c * THREADS, 1, 1), threadgroup=(THREADS, 1, 1),
-                            output_shapes=[(c,), (c,)], output_dtypes=[mx.float32, mx.float32])
+        logp, lse = _kernel()(inputs=[x, targets.astype(mx.int32), cap_array],
+                              template=[("T", x.dtype), ("V", v), ("NT", THREADS),
+                                        ("VEC", v % (16 // x.itemsize) == 0), ("CAP", cap is not None)],
+                              grid=(c * THREADS, 1, 1), threadgroup=(THREADS, 1, 1),
+                              output_shapes=[(c,), (c,)], output_dtypes=[mx.float32, mx.float32])
         return logp, lse
 
     return block
+
+
+def logsumexp_block(cap: float | None) -> Callable[[mx.array, mx.array], tuple[mx.array, mx.array]] | None:
+    """(x [c, V], targets [c]) -> (target log-prob, logsumexp), float32, by the kernel; None where it cannot run."""
+    return _block(cap) if on_cuda() else None

@@ -64,7 +64,7 @@ def resolve_engine(engine: dict[str, Any] | None) -> dict[str, Any]:
         e["compile"] = on_cuda()
     if e["prefix_sharing"] == "auto":
         # On everywhere. H200, fused head, widths of 128, compiled: 1.03x tokens/s at 0.86x peak with prompt =
-        # response, 1.17x at 0.79x with prompt = 2x response (uncompiled 1.34x); CPU 1.7-1.8x (bench/README.md).
+        # response, 1.27x at 0.81x with prompt = 2x response (uncompiled 1.35x); CPU 1.7-1.8x (bench/README.md).
         e["prefix_sharing"] = True
     return e
 

@@ -17,11 +17,11 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx.utils import tree_flatten, tree_map_with_path, tree_unflatten
+from mlx.utils import tree_flatten, tree_map_with_path
 
 from orpo.engine.compiled import kept, layout_arrays, mask_arrays, masks_from
 from orpo.engine.queue import EvalQueue
-from orpo.engine.stack import Layout, Stack
+from orpo.engine.stack import Layout, Stack, trainables_replaced
 from orpo.engine.tiled import tiled_mlps
 
 HeadLoss = Callable[[mx.array], tuple[mx.array, dict[str, mx.array]]]
@@ -56,23 +56,13 @@ def _segment_vjp(stack: Stack, a: int, b: int, mlp_chunks: int = 1
     layers = stack.layers[a:b]
 
     def vjp(h_in: mx.array, cot: mx.array, masks: list[Any]) -> list[mx.array]:
-        items = [tree_flatten(layer.trainable_parameters()) for layer in layers]
-        arrays = [v for its in items for _, v in its]
+        arrays = [v for layer in layers for _, v in tree_flatten(layer.trainable_parameters())]
 
         def segment(h0: mx.array, *params: mx.array) -> list[mx.array]:
-            it = iter(params)
-            for layer, its in zip(layers, items):
-                if its:  # run the layer on the traced parameters, so vjp reaches them
-                    layer.update(tree_unflatten([(k, next(it)) for k, _ in its]))
-            with tiled_mlps(layers, mlp_chunks):
+            with trainables_replaced(layers, params), tiled_mlps(layers, mlp_chunks):
                 return [stack.run(h0, masks, a, b)]
 
-        try:
-            _, vjps = mx.vjp(segment, [h_in, *arrays], [cot])
-        finally:  # leave the layers holding their own parameter arrays, not the traced copies
-            for layer, its in zip(layers, items):
-                if its:
-                    layer.update(tree_unflatten(its))
+        _, vjps = mx.vjp(segment, [h_in, *arrays], [cot])
         return vjps
 
     return vjp

@@ -12,13 +12,14 @@ instead of mlx-lm's sdpa while inside `positions`; gemma2 computes its softcappe
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.models.base import create_attention_mask
 
 from orpo.engine.attention import DEFAULT_BLOCK, causal_blockwise_in, exclusion_mask, exclusion_masks_in
@@ -87,6 +88,26 @@ def family_of(model: nn.Module) -> str:
         raise UnsupportedModel(f"train.engine: model type {kind!r} has no stack description "
                                f"(supported: {', '.join(SUPPORTED)}, mistral); use the plain engine")
     return family
+
+
+@contextmanager
+def trainables_replaced(modules: Sequence[nn.Module], arrays: Sequence[mx.array]) -> Iterator[None]:
+    """While inside, the modules' trainable arrays are `arrays` (tree_flatten order, module by module); restored after.
+
+    For tracing a function of the parameters (mx.vjp): the modules run on the traced arrays, so the
+    gradients reach them, and afterwards hold their own arrays again, not the traced copies.
+    """
+    saved = [tree_flatten(m.trainable_parameters()) for m in modules]
+    it = iter(arrays)
+    try:
+        for m, items in zip(modules, saved):
+            if items:
+                m.update(tree_unflatten([(k, next(it)) for k, _ in items]))
+        yield
+    finally:
+        for m, items in zip(modules, saved):
+            if items:
+                m.update(tree_unflatten(items))
 
 
 def exclusion_by_default() -> bool:

@@ -15,23 +15,19 @@ from contextlib import contextmanager
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx.utils import tree_flatten, tree_unflatten
+from mlx.utils import tree_flatten
 
 from orpo.engine.queue import after
+from orpo.engine.stack import trainables_replaced
 from orpo.train.lora import LoRALinear
 
 
 def tiled_vjp(mlp: nn.Module, chunks: int) -> Callable[..., mx.array]:
     """The custom function (x [..., T, H], *trainable arrays of mlp) -> mlp(x), with its token-chunked vjp."""
-    names = [k for k, _ in tree_flatten(mlp.trainable_parameters())]
 
     def run(x: mx.array, params: tuple[mx.array, ...]) -> mx.array:
-        saved = tree_flatten(mlp.trainable_parameters())
-        mlp.update(tree_unflatten(list(zip(names, params))))
-        try:
+        with trainables_replaced([mlp], params):
             return mlp(x)
-        finally:
-            mlp.update(tree_unflatten(saved))
 
     @mx.custom_function
     def tiled(x: mx.array, *params: mx.array) -> mx.array:

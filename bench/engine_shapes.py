@@ -30,6 +30,9 @@ class Shape:
     pairs: int = 4
     prompt: int = 128
     response: int = 128
+    # Prompt lengths spread evenly over [prompt - spread/2, prompt + spread/2] across the pairs (mean `prompt`):
+    # pairs that share no prompt length, as real data has (0 = every prompt `prompt` long).
+    prompt_spread: int = 0
 
     def llama_config(self) -> dict[str, Any]:
         """Keys both mlx_lm.models.llama.ModelArgs and transformers.LlamaConfig accept."""
@@ -40,9 +43,14 @@ class Shape:
             "tie_word_embeddings": self.tied, "rope_theta": self.rope_theta, "rms_norm_eps": 1e-5,
         }
 
+    def prompt_lengths(self) -> list[int]:
+        """Each pair's prompt length."""
+        n = self.pairs
+        return [self.prompt + round((i - (n - 1) / 2) * self.prompt_spread / max(1, n - 1)) for i in range(n)]
+
     def two_forward_tokens(self) -> int:
         """Tokens of one step counted as two forwards ([prompt; chosen] and [prompt; rejected]) per pair."""
-        return 2 * (self.prompt + self.response) * self.pairs
+        return sum(2 * (p + self.response) for p in self.prompt_lengths())
 
 
 @dataclass(frozen=True)
@@ -123,6 +131,8 @@ def _main_cases(shape: Shape, segment_layers: int, limit_gb: float, sweep_gb: tu
         # The same programs under mx.compile (train.engine.compile; auto = on with CUDA).
         Case("fused-128-compiled", shape, engine={"head": "fused", **wide, **compiled}),
         Case("fused-prefix-128-compiled", shape, engine={"head": "fused", "prefix_sharing": True, **wide, **compiled}),
+        Case("fused-prefix-128-c-exclusion", shape, engine={"head": "fused", "prefix_sharing": True, **wide, **compiled,
+                                                            "prefix_attention": "exclusion"}),
         # The same with the head's forward blocks as a CUDA kernel (train.engine.head_kernel; pure MLX elsewhere).
         Case("fused-prefix-128-c-kernel", shape, engine={"head": "fused", "prefix_sharing": True, **wide, **compiled,
                                                          "head_kernel": "auto"}),
@@ -147,6 +157,10 @@ def _main_cases(shape: Shape, segment_layers: int, limit_gb: float, sweep_gb: tu
         Case("all-lean-mlp4-c-o1-limited", shape, engine={"head": "fused", "head_chunk": 256, "segment_layers": 1,
                                                           "prefix_sharing": True, **wide, **compiled, "mlp_chunks": 4,
                                                           "overlap": 1, "memory_limit_gb": limit_gb}),
+        Case("all-lean-mlp4-c-o1-l-exclusion", shape, engine={"head": "fused", "head_chunk": 256, "segment_layers": 1,
+                                                              "prefix_sharing": True, **wide, **compiled, "mlp_chunks": 4,
+                                                              "overlap": 1, "memory_limit_gb": limit_gb,
+                                                              "prefix_attention": "exclusion"}),
     ] + [Case(f"all-lean-c-o{depth}-l{gb:g}", shape, engine={"head": "fused", "head_chunk": 256, "segment_layers": 1,
                                                             "prefix_sharing": True, **wide, **compiled, "overlap": depth,
                                                             "memory_limit_gb": gb})
@@ -209,22 +223,37 @@ def _segment_suite(base: Shape, few: int, many: int, segment_layers: int) -> Sui
 
 
 def _prefix_suite(base: Shape, response: int) -> Suite:
-    """Prompts twice the responses: one shared-prompt forward vs two (the token count alone allows 1.5x)."""
+    """Prompts twice the responses: one shared-prompt forward vs two (the token count alone allows 1.5x).
+
+    Shared rows attend as SplitRows (the default) or, in the `-exclusion` cases, with the exclusion dims;
+    the `-spread` cases give each pair its own prompt length (3/8 of the prompt apart, mean unchanged), so
+    rejected's attention runs once per pair.
+    """
     shape = replace(base, prompt=2 * response, response=response)
+    spread = replace(shape, prompt_spread=3 * shape.prompt // 8)
     wide = {"width_multiple": 128}
+    fused_c = {"head": "fused", "compile": True}
     cases = [Case("naive", shape), Case("prefix", shape, engine={"prefix_sharing": True}),
              Case("width-128", shape, engine=wide, baseline="width-128"),
              Case("prefix-128", shape, engine={"prefix_sharing": True, **wide}, baseline="width-128"),
-             Case("width-128-compiled", shape, engine={**wide, "head": "fused", "compile": True},
+             Case("prefix-128-exclusion", shape, engine={"prefix_sharing": True, **wide, "prefix_attention": "exclusion"},
+                  baseline="width-128"),
+             Case("width-128-compiled", shape, engine={**wide, **fused_c}, baseline="width-128-compiled"),
+             Case("prefix-128-compiled", shape, engine={"prefix_sharing": True, **wide, **fused_c},
                   baseline="width-128-compiled"),
-             Case("prefix-128-compiled", shape, engine={"prefix_sharing": True, **wide, "head": "fused", "compile": True},
-                  baseline="width-128-compiled")]
+             Case("prefix-128-c-exclusion", shape, engine={"prefix_sharing": True, **wide, **fused_c,
+                                                          "prefix_attention": "exclusion"}, baseline="width-128-compiled"),
+             Case("width-128-c-spread", spread, engine={**wide, **fused_c}, baseline="width-128-c-spread"),
+             Case("prefix-128-c-spread", spread, engine={"prefix_sharing": True, **wide, **fused_c},
+                  baseline="width-128-c-spread")]
     return Suite(cases, [Check("prefix sharing tokens/s, prompts 2x responses", "tokens_per_s",
                                "prefix", "naive", ">=", 1.4),
                          Check("prefix sharing tokens/s, prompts 2x responses, widths of 128", "tokens_per_s",
                                "prefix-128", "width-128", ">=", 1.4),
                          Check("prefix sharing tokens/s, prompts 2x responses, fused head, widths of 128, compiled",
-                               "tokens_per_s", "prefix-128-compiled", "width-128-compiled", ">=", 1.4)])
+                               "tokens_per_s", "prefix-128-compiled", "width-128-compiled", ">=", 1.4),
+                         Check("prefix sharing tokens/s, prompts 2x responses of their own lengths, compiled",
+                               "tokens_per_s", "prefix-128-c-spread", "width-128-c-spread", ">=", 1.4)])
 
 
 CPU_SEGMENTS = replace(CPU_SMALL, hidden=128, heads=2, kv_heads=1, intermediate=384, vocab=4096, prompt=64, response=64)
@@ -259,7 +288,7 @@ def random_pair_tokens(shape: Shape, seed: int) -> tuple[list[list[int]], list[l
 
     rng = np.random.default_rng(seed)
     n = shape.pairs
-    prompts = [rng.integers(0, shape.vocab, shape.prompt).tolist() for _ in range(n)]
+    prompts = [rng.integers(0, shape.vocab, p).tolist() for p in shape.prompt_lengths()]
     chosen = [rng.integers(0, shape.vocab, shape.response).tolist() for _ in range(n)]
     rejected = [rng.integers(0, shape.vocab, shape.response).tolist() for _ in range(n)]
     return prompts, chosen, rejected
@@ -271,7 +300,8 @@ def step_shapes(suite: Suite) -> dict[str, Shape]:
     for case in suite.cases:
         if case.kind == "step" and case.shape not in out.values():
             suffix = case.name.rsplit("-", 1)[-1] if case.name.rsplit("-", 1)[-1].startswith("L") else ""
-            out[suffix or f"P{case.shape.prompt}R{case.shape.response}"] = case.shape
+            spread = f"S{case.shape.prompt_spread}" if case.shape.prompt_spread else ""
+            out[suffix or f"P{case.shape.prompt}R{case.shape.response}{spread}"] = case.shape
     return out
 
 

@@ -56,6 +56,9 @@ def peer_cases(suite_name: str, loss: str) -> list[Case]:
     shapes = step_shapes(SUITES[suite_name])
     cases = []
     for label, shape in shapes.items():
+        if shape.prompt_spread:
+            print(f"peer_liger: skipping {label}: its rows differ in length, and the peer's batch is unpadded")
+            continue
         suffix = f"-{label}" if len(shapes) > 1 else ""
         plain = f"{loss}{suffix}"
         cases.append(Case(plain, shape, engine={"checkpointing": False}, baseline=plain))

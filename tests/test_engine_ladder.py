@@ -37,7 +37,10 @@ ENGINES = {name: {**PLAIN, **e} for name, e in {
     "all": {"head": "fused", "head_chunk": 7, "segment_layers": 2, "prefix_sharing": True},
     # Padded widths (what CUDA's cuDNN attention needs): padding is neither scored nor attended to.
     "width_128": {"width_multiple": 128},
-    "prefix_width_24": {"prefix_sharing": True, "width_multiple": 24},
+    "prefix_width_24": {"prefix_sharing": True, "width_multiple": 24},  # split aligned to 24: prompt-tail queries
+    # The other ways shared rows attend (train.engine.prefix_attention; split is the default).
+    "prefix_exclusion": {"prefix_sharing": True, "prefix_attention": "exclusion"},
+    "prefix_mask_compiled": {"prefix_sharing": True, "prefix_attention": "mask", "compile": True},
     "all_width_128": {"head": "fused", "head_chunk": 7, "segment_layers": 2, "prefix_sharing": True,
                       "width_multiple": 128},
     # Under mx.compile (whole step; per segment, with evaluations queued one ahead).
@@ -130,6 +133,9 @@ def test_auto_settings_are_decided_by_the_device():
     from orpo.engine.objective import input_multiple
     e = resolve_engine({})
     assert e["prefix_sharing"] is True  # on everywhere since the exclusion attention (bench/README.md)
+    assert e["prefix_attention"] == "split"
+    with pytest.raises(ValueError, match="train.engine.prefix_attention"):
+        resolve_engine({"prefix_attention": "dims"})
     assert input_multiple(e) == (128 if on_cuda() else None)
     assert e["compile"] is on_cuda()
     assert resolve_engine({"prefix_sharing": False})["prefix_sharing"] is False

@@ -1,5 +1,7 @@
 """Our stack forward equals the model's for every family; prefix-shared rows give the hidden states of separate forwards."""
 
+import itertools
+
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
@@ -106,41 +108,50 @@ def test_shared_rows_give_the_hidden_states_of_separate_forwards(variant):
 
 
 @pytest.mark.parametrize("multiple", [None, 32])
-def test_shared_rows_attend_as_one_causal_attention(multiple):
-    """Prefix rows are packed tight ([prompt; chosen[:-1]; rejected own], padding only at the end); their
-    visibility equals a numpy oracle of the block mask; their masks are ExclusionMasks (one causal attention),
-    whose hidden states equal the layers run under the additive block mask."""
-    from orpo.engine.attention import ExclusionMask
+def test_shared_rows_layout_and_its_three_attentions(multiple):
+    """Prefix rows are [prompt; chosen[:-1]; pad | rejected own; pad] with rejected's block at one column, a
+    multiple of the width multiple; tokens and visibility equal a numpy oracle of the block mask; the default
+    masks are SplitRows, whose hidden states equal the exclusion dims' and the layers run under the additive
+    block mask."""
+    from orpo.engine.attention import ExclusionMask, SplitRows
     model = tiny_model("llama")
     pairs = with_unshared_pair(random_pairs(6, 4), 2)
     packed = shared_rows(pairs, multiple)
     lay = packed.layout
-    n = lay.tokens.shape[1]
-    assert n % (multiple or 16) == 0
-    expected, widths = np.zeros((len(pairs), n, n), bool), []
-    for i in range(len(pairs)):
-        p = 0 if pairs.ids[i] == "unshared" else len(pairs.prompt[i])  # that pair's prompts differ: nothing shared
-        start = len(pairs.prompt[i]) + len(pairs.chosen[i]) - 1
-        widths.append(start + len(pairs.prompt[i]) + len(pairs.rejected[i]) - 1 - p)
-        q, k = np.arange(n)[:, None], np.arange(n)[None, :]
+    m, n = multiple or 16, lay.tokens.shape[1]
+    up = lambda x: -(-x // m) * m
+    prompts = [0 if pairs.ids[i] == "unshared" else len(pairs.prompt[i]) for i in range(len(pairs))]  # unshared: none
+    heads = [pairs.prompt[i] + pairs.chosen[i][:-1] for i in range(len(pairs))]
+    tails = [(pairs.prompt[i] + pairs.rejected[i])[p:-1] for i, p in enumerate(prompts)]
+    start = up(max(map(len, heads)))
+    assert lay.split.rejected_start == start and n == start + up(max(map(len, tails)))
+    expected = np.zeros((len(pairs), n, n), bool)
+    q, k = np.arange(n)[:, None], np.arange(n)[None, :]
+    for i, p in enumerate(prompts):
+        row = heads[i] + [0] * (start - len(heads[i])) + tails[i] + [0] * (n - start - len(tails[i]))
+        assert np.array_equal(np.array(lay.tokens[i]), row)
         expected[i] = (k <= q) & ~((q >= start) & (k >= p) & (k < start))
-    assert n == -(-max(widths) // (multiple or 16)) * (multiple or 16)  # no padding inside a row
     assert np.array_equal(np.array(lay.visible()), expected)
+    # Consecutive rows with one prompt length share one attention for rejected's queries.
+    groups, first = [], 0
+    for p, run in itertools.groupby(prompts):
+        size = len(list(run))
+        groups.append((first, first + size, p))
+        first += size
+    assert lay.split.groups == tuple(groups) and len(groups) < len(pairs)
     stack = Stack(model)
     h0 = stack.embed(lay.tokens)
-    masks = stack.masks(lay, h0)
-    assert all(isinstance(mask, ExclusionMask) for mask in masks)
+    assert all(isinstance(mask, SplitRows) for mask in stack.masks(lay, h0))
     additive = mx.where(lay.visible(), mx.array(0.0), mx.array(-mx.inf))[:, None]
     with stack.positions(lay):
-        by_mask = stack.norm(stack.run(h0, [additive] * len(masks), 0, len(masks)))
-    got, want = (np.array(h.reshape(-1, h.shape[-1])[packed.index]) for h in (stack.hidden(lay), by_mask))
-    np.testing.assert_allclose(got, want, rtol=10 * MATMUL_TOL, atol=10 * MATMUL_TOL)
-    # Without exclusion dims (a Metal GPU's default) the stack builds the additive block masks itself.
-    masked = Stack(model, exclusion=False)
-    assert not any(isinstance(mask, ExclusionMask) for mask in masked.masks(lay, h0))
-    h = masked.hidden(lay)
-    np.testing.assert_allclose(np.array(h.reshape(-1, h.shape[-1])[packed.index]), want,
-                               rtol=10 * MATMUL_TOL, atol=10 * MATMUL_TOL)
+        by_mask = stack.norm(stack.run(h0, [additive] * len(stack.layers), 0, len(stack.layers)))
+    want = np.array(by_mask.reshape(-1, by_mask.shape[-1])[packed.index])
+    for kind, mask_type in (("split", SplitRows), ("exclusion", ExclusionMask), ("mask", mx.array)):
+        other = Stack(model, packed=kind)
+        assert all(isinstance(mask, mask_type) for mask in other.masks(lay, h0))
+        h = other.hidden(lay)
+        np.testing.assert_allclose(np.array(h.reshape(-1, h.shape[-1])[packed.index]), want,
+                                   rtol=10 * MATMUL_TOL, atol=10 * MATMUL_TOL, err_msg=kind)
 
 
 ROPES = {

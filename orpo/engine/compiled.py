@@ -8,8 +8,8 @@ Every array a traced graph reads must be an input, or the trace would replay sta
 arrays (weights, LoRA factors, each LoRA layer's current dropout key, the RoPE wrappers' position arrays
 while `Stack.positions` is active) are read through `inputs=<module>.state` at each call; the layout's
 arrays and the masks are arguments. What is Python-side (the settings, the number of pairs, lambda, the
-layout's structure: which of its fields are set, each layer's kind of mask) is part of the key under which a
-compiled function is kept, so a trace is only reused for the same program.
+layout's structure: which of its fields are set, its SplitRows, each layer's kind of mask) is part of the key
+under which a compiled function is kept, so a trace is only reused for the same program.
 """
 
 from __future__ import annotations
@@ -56,18 +56,19 @@ LAYOUT_FIELDS = ("tokens", "positions", "restricted", "hidden_keys")
 
 
 def layout_arrays(layout: Layout) -> tuple[tuple[Hashable, ...], dict[str, mx.array]]:
-    """(structure key, arrays) of a layout: which fields are set, and the arrays themselves."""
+    """(structure key, arrays) of a layout: which fields are set and its SplitRows (the key), and the arrays."""
     arrays = {f: getattr(layout, f) for f in LAYOUT_FIELDS if getattr(layout, f) is not None}
-    return tuple(arrays), arrays
+    return (*arrays, layout.split), arrays
 
 
-def layout_from(arrays: dict[str, mx.array]) -> Layout:
+def layout_from(structure: tuple[Hashable, ...], arrays: dict[str, mx.array]) -> Layout:
     """The Layout `layout_arrays` took apart (with traced arrays when called inside a trace)."""
-    return Layout(**arrays)
+    return Layout(**arrays, split=structure[-1])
 
 
 def mask_arrays(masks: list[Any]) -> tuple[tuple[Hashable, ...], list[mx.array]]:
-    """(per-mask kind key, arrays) of a list of layer masks ("causal", None, an array or an ExclusionMask)."""
+    """(per-mask kind key, arrays) of a list of layer masks ("causal", None, SplitRows: themselves in the key;
+    an array or an ExclusionMask: their arrays)."""
     spec: list[Hashable] = []
     arrays: list[mx.array] = []
     for m in masks:

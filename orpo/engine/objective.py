@@ -19,7 +19,7 @@ from orpo.engine.compiled import kept, layout_arrays, layout_from
 from orpo.engine.head import LMHead, fused_logp, fused_logp_eager, head_logits, lm_head_of
 from orpo.engine.prefix import PackedPairs, plain_rows, shared_rows
 from orpo.engine.segmented import segmented_value_and_grad
-from orpo.engine.stack import Stack
+from orpo.engine.stack import PACKED_ATTENTION, Stack
 from orpo.train.data import Pairs, pair_batch
 from orpo.train.head import response_mean_logps
 from orpo.train.loss import orpo_loss
@@ -49,6 +49,9 @@ def resolve_engine(engine: dict[str, Any] | None) -> dict[str, Any]:
         raise ValueError(f"train.engine.width_multiple: must be >= 0 (got {e['width_multiple']})")
     if e["prefix_sharing"] not in ("auto", True, False):
         raise ValueError(f"train.engine.prefix_sharing: {e['prefix_sharing']!r} is not one of auto, true, false")
+    if e["prefix_attention"] not in ("auto", *PACKED_ATTENTION):
+        raise ValueError(f"train.engine.prefix_attention: {e['prefix_attention']!r} is not one of auto, "
+                         f"{', '.join(PACKED_ATTENTION)}")
     if e["compile"] not in ("auto", True, False):
         raise ValueError(f"train.engine.compile: {e['compile']!r} is not one of auto, true, false")
     if e["head_kernel"] not in ("auto", True, False):
@@ -64,8 +67,11 @@ def resolve_engine(engine: dict[str, Any] | None) -> dict[str, Any]:
         e["compile"] = on_cuda()
     if e["prefix_sharing"] == "auto":
         # On everywhere. H200, fused head, widths of 128, compiled: 1.03x tokens/s at 0.86x peak with prompt =
-        # response, 1.27x at 0.81x with prompt = 2x response (uncompiled 1.35x); CPU 1.7-1.8x (bench/README.md).
+        # response, 1.27x at 0.82x with prompt = 2x response (1.25x with prompts of their own lengths; naive
+        # head uncompiled 1.41-1.46x); CPU 1.7-1.9x (bench/README.md).
         e["prefix_sharing"] = True
+    if e["prefix_attention"] == "auto":
+        e["prefix_attention"] = "split"  # the least attention work (orpo.engine.stack.PACKED_ATTENTION)
     return e
 
 
@@ -90,6 +96,11 @@ PLAIN: dict[str, Any] = {"head": "naive", "segment_layers": 0, "prefix_sharing":
 def is_plain(engine: dict[str, Any]) -> bool:
     """Whether the settings ask for the trainer's original path (PLAIN)."""
     return all(engine[k] == v for k, v in PLAIN.items())
+
+
+def stack_of(model: nn.Module, e: dict[str, Any]) -> Stack:
+    """The model's Stack with the settings' attention and packed-row attention."""
+    return Stack(model, e["attention"], int(e["attention_block"]), e["prefix_attention"])
 
 
 def naive_pair_loss(model: nn.Module, tokens: mx.array, mask: mx.array, n: int, lam: float) -> tuple[mx.array, dict[str, mx.array]]:
@@ -147,7 +158,7 @@ def pair_value_and_grad(model: nn.Module, pairs: Pairs, lam: float,
 def _segmented(model: nn.Module, packed: PackedPairs, n: int, lam: float,
                e: dict[str, Any]) -> tuple[tuple[mx.array, dict[str, mx.array]], Any]:
     """((loss, metrics), grads) through the segmented backward; a fused head runs eagerly, chunk by chunk."""
-    stack, head = Stack(model, e["attention"], int(e["attention_block"])), lm_head_of(model)
+    stack, head = stack_of(model, e), lm_head_of(model)
 
     def loss_of(logps: mx.array) -> tuple[mx.array, dict[str, mx.array]]:
         return orpo_loss(logps[:n], logps[n:], lam)
@@ -175,7 +186,7 @@ def _segmented(model: nn.Module, packed: PackedPairs, n: int, lam: float,
 def whole_loss(model: nn.Module, packed: PackedPairs, n: int, lam: float,
                e: dict[str, Any]) -> tuple[mx.array, dict[str, mx.array]]:
     """ORPO loss and metrics of n pairs' packed rows through the whole stack and the head (one graph)."""
-    hidden = Stack(model, e["attention"], int(e["attention_block"])).hidden(packed.layout)
+    hidden = stack_of(model, e).hidden(packed.layout)
     logps = packed_logps(lm_head_of(model), hidden, packed, e)
     return orpo_loss(logps[:n], logps[n:], lam)
 
@@ -187,7 +198,7 @@ def _compiled_whole(model: nn.Module, packed: PackedPairs, n: int, lam: float,
 
     def build() -> Any:
         def loss(arrays: dict[str, mx.array], index: mx.array, targets: mx.array, weights: mx.array) -> Any:
-            p = PackedPairs(layout_from(arrays), index, targets, weights, 0)
+            p = PackedPairs(layout_from(structure, arrays), index, targets, weights, 0)
             return whole_loss(model, p, n, lam, e)
 
         return mx.compile(nn.value_and_grad(model, loss), inputs=model.state, outputs=model.state)
@@ -204,7 +215,7 @@ def pair_logps(model: nn.Module, pairs: Pairs, engine: dict[str, Any] | None) ->
         logps = response_mean_logps(model, *pair_batch(pairs, list(range(n)), input_multiple(e)))
     else:
         packed = pack(pairs, e)
-        stack = Stack(model)
+        stack = stack_of(model, e)
         logps = packed_logps(lm_head_of(model), stack.hidden(packed.layout), packed, e)
     logps = mx.stop_gradient(logps)
     return logps[:n], logps[n:]

@@ -1,8 +1,8 @@
 """Pairs -> forward rows plus where each scored token's predicting hidden state sits.
 
 Two layouts. `plain_rows`: the trainer's [chosen; rejected] causal rows (2B rows). `shared_rows`: prefix
-sharing, one row per pair holding [prompt; chosen; rejected] with a block mask (rejected cannot see
-chosen) and RoPE positions restarted at the prompt length for rejected, so the prompt is computed once.
+sharing, one row per pair holding [prompt; chosen; pad | rejected; pad] with a block mask (rejected cannot
+see chosen) and RoPE positions restarted at the prompt length for rejected, so the prompt is computed once.
 A pair's prompt is everything before its first scored token; a pair whose chosen and rejected prompts
 differ (a pair given as two full sequences with `prompt=[]`) falls back to two independent blocks in its
 row (nothing shared, rejected's positions restart at 0) and is counted.
@@ -19,6 +19,7 @@ import mlx.core as mx
 import numpy as np
 
 from orpo.batching import pad_rows
+from orpo.engine.attention import SplitRows
 from orpo.engine.stack import Layout
 from orpo.train.data import Pairs, pair_batch
 
@@ -80,15 +81,17 @@ def plain_rows(pairs: Pairs, input_multiple: int | None = None) -> PackedPairs:
 
 
 def shared_rows(pairs: Pairs, input_multiple: int | None = None) -> PackedPairs:
-    """Prefix sharing: one row [prompt; chosen[:-1]; rejected[:-1]] per pair, rejected blind to chosen.
+    """Prefix sharing: one row [prompt; chosen[:-1]; pad | rejected own; pad] per pair, rejected blind to chosen.
 
-    Rows are padded to a multiple of `input_multiple` (16 if None). The layout holds per-token vectors only
-    (positions, which tokens are rejected's, which keys are chosen's): attention runs as one causal attention
-    that hides chosen's keys from rejected's queries (orpo.engine.attention.ExclusionMask), and the [L, L]
-    visibility is built on the device only where a layer needs it (Layout.visible).
+    Every row's rejected block starts at one column, a multiple of `input_multiple` (16 if None), and the
+    row ends at another, so both attentions of SplitRows get widths of that multiple (128 on CUDA: cuDNN's
+    backward). The pad between chosen and rejected is hidden from rejected like chosen's own tokens; pads
+    are never scored. The layout holds per-token vectors only (positions, which tokens are rejected's, which
+    keys rejected may not see) and the SplitRows structure; an [L, L] visibility is built on the device only
+    where a layer needs it (Layout.visible).
     """
     multiple = input_multiple or 16
-    rows, shared, starts = [], [], []
+    heads, tails, shared = [], [], []
     scored, where, targets = ([], []), ([], []), ([], [])  # (chosen, rejected), per pair
     fallbacks = 0
     for i in range(len(pairs)):
@@ -96,32 +99,41 @@ def shared_rows(pairs: Pairs, input_multiple: int | None = None) -> PackedPairs:
         p = shared_prompt_length(full_c, mc, full_r, mr)
         if p is None:
             fallbacks, p = fallbacks + 1, 0
-        start = len(full_c) - 1  # rejected's own tokens begin right after prompt + chosen[:-1]
-        rows.append(full_c[:-1] + full_r[p:-1])
+        heads.append(full_c[:-1])
+        tails.append(full_r[p:-1])
         shared.append(p)
-        starts.append(start)
         sc, sr = _scored(mc), _scored(mr)
         scored[0].append(sc)
         scored[1].append(sr)
-        # Token t is predicted from position t-1: for rejected, in the shared prompt or in its own block.
         where[0].append([t - 1 for t in sc])
-        where[1].append([t - 1 if t <= p else start + t - 1 - p for t in sr])
+        where[1].append([(t, p) for t in sr])
         targets[0].extend(full_c[t] for t in sc)
         targets[1].extend(full_r[t] for t in sr)
-    tokens = pad_rows(rows, 0, multiple)
+    head_block = pad_rows(heads, 0, multiple)
+    start = head_block.shape[1]  # where every row's rejected block begins
+    tokens = np.concatenate([head_block, pad_rows(tails, 0, multiple)], axis=1)
     width = tokens.shape[1]
+    # Token t is predicted from position t-1: for rejected, in the shared prompt or in its own block.
+    where = (where[0], [[t - 1 if t <= p else start + t - 1 - p for t, p in side] for side in where[1]])
     index = [i * width + j for side in where for i, idx in enumerate(side) for j in idx]
-    return PackedPairs(_block_layout(tokens, np.array(shared), np.array(starts)), mx.array(index, mx.int32),
+    # Alignment of rejected's attention only where widths are asked for (CUDA's 128: SplitRows explains why).
+    align = input_multiple or 1
+    return PackedPairs(_block_layout(tokens, np.array(shared), start, align), mx.array(index, mx.int32),
                        mx.array(targets[0] + targets[1], mx.int32), _weights(scored[0] + scored[1], len(index)),
                        fallbacks)
 
 
-def _block_layout(tokens: np.ndarray, shared: np.ndarray, starts: np.ndarray) -> Layout:
-    """Positions, rejected's tokens and chosen's keys of rows [shared prompt; chosen own; rejected own]
-    (prompt lengths, rejected starts)."""
+def _block_layout(tokens: np.ndarray, shared: np.ndarray, start: int, align: int) -> Layout:
+    """Positions, rejected's tokens, the keys rejected may not see, and the SplitRows of rows
+    [prompt; chosen own; pad | rejected own; pad] (prompt lengths, rejected's start column)."""
     pos = np.arange(tokens.shape[1])[None, :]
-    shift = starts - shared  # rejected's own tokens sit this far after their logical position
-    in_rejected = pos >= starts[:, None]  # padding after it too: it sees what rejected sees, never read
-    hidden = (pos >= shared[:, None]) & (pos < starts[:, None])  # chosen's own keys: rejected cannot see them
-    positions = np.where(in_rejected, pos - shift[:, None], pos)
-    return Layout(mx.array(tokens), mx.array(positions, mx.int32), mx.array(in_rejected), mx.array(hidden))
+    in_rejected = np.broadcast_to(pos >= start, tokens.shape)  # padding after it too: it sees what rejected sees
+    hidden = (pos >= shared[:, None]) & (pos < start)  # chosen's own keys and the pad after them
+    positions = np.where(in_rejected, pos - start + shared[:, None], pos)
+    groups, first = [], 0
+    for r in range(1, len(shared) + 1):
+        if r == len(shared) or shared[r] != shared[first]:
+            groups.append((first, r, int(shared[first])))
+            first = r
+    return Layout(mx.array(tokens), mx.array(positions, mx.int32), mx.array(in_rejected), mx.array(hidden),
+                  SplitRows(start, tuple(groups), align))

@@ -3,9 +3,10 @@
 embedding (gemma's sqrt(H) scale included) -> decoder layers, each called with an explicit mask -> final
 norm. On a plain layout (ordinary causal rows) every layer gets the very mask object the model would build
 itself, so the hidden states are bit-identical to `model.model(tokens)`. A packed layout (prefix sharing)
-carries per-token logical positions and the keys rejected's tokens may not see (one causal attention with
-an ExclusionMask); sliding windows are applied on the logical positions, and RoPE sees them through a
-wrapper around each attention's own rope (below).
+carries per-token logical positions and the keys rejected's tokens may not see; its full-attention layers
+attend as two causal attentions (SplitRows, the default), one causal attention with exclusion dims
+(ExclusionMask) or under an additive block mask. Sliding windows are applied on the logical positions, and
+RoPE sees them through a wrapper around each attention's own rope (below).
 With attention="blockwise", the layers call orpo.engine.attention's blockwise attention (analytic backward)
 instead of mlx-lm's sdpa while inside `positions`; gemma2 computes its softcapped attention itself and keeps it.
 """
@@ -22,7 +23,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.models.base import create_attention_mask
 
-from orpo.engine.attention import DEFAULT_BLOCK, causal_blockwise_in, exclusion_mask, exclusion_masks_in
+from orpo.engine.attention import DEFAULT_BLOCK, SplitRows, causal_blockwise_in, exclusion_mask, packed_masks_in
 
 # mlx-lm module name -> family ("mistral" is served by mlx_lm.models.llama).
 SUPPORTED = ("llama", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text")
@@ -39,13 +40,14 @@ class Layout:
     `positions`, `restricted` and `hidden_keys` are None for plain causal rows. Otherwise `positions[r, i]` is
     the RoPE position of token i, and `hidden_keys[r, k]` marks the keys no `restricted[r, q]` query may see
     (prefix sharing: chosen's, from rejected's tokens, whose positions restart); beyond that, attention is
-    causal.
+    causal. `split`, where the rows are laid out for it, lets full attention run as SplitRows.
     """
 
     tokens: mx.array
     positions: mx.array | None = None
     restricted: mx.array | None = None
     hidden_keys: mx.array | None = None
+    split: SplitRows | None = None
 
     @property
     def plain(self) -> bool:
@@ -110,28 +112,27 @@ def trainables_replaced(modules: Sequence[nn.Module], arrays: Sequence[mx.array]
                 m.update(tree_unflatten(items))
 
 
-def exclusion_by_default() -> bool:
-    """Whether packed rows attend as one causal attention with exclusion dims (ExclusionMask) here.
-
-    Everywhere but on a Metal GPU: MLX's Metal attention trains on its unfused path whatever the mask, and
-    its fused forward needs the query head dim to equal the value's, which the exclusion dims break; an
-    additive mask keeps that kernel for validation's forwards (MLX's Metal sdpa dispatch; not measured here).
-    """
-    return not (mx.metal.is_available() and mx.default_device().type == mx.gpu)
+# How packed rows' full-attention layers attend: two causal attentions (SplitRows), one causal attention with
+# exclusion dims (ExclusionMask), or an additive [B, 1, L, L] block mask. Split does the least attention work:
+# an H200 layer 1.53-1.62 ms fwd+bwd vs 2.09-2.22 (exclusion), the `h200-prefix` step 1.04-1.05x exclusion's
+# speed, the CPU's `cpu-prefix` 1.03x; on Metal, where MLX trains on its unfused attention whatever the mask,
+# it scores [S, S] + [R, P + R] instead of [L, L] (not measured there).
+PACKED_ATTENTION = ("split", "exclusion", "mask")
 
 
 class Stack:
     """The parts of one mlx-lm model: embed, run layers a..b with chosen masks and positions, final norm."""
 
     def __init__(self, model: nn.Module, attention: str = "mlx", attention_block: int = DEFAULT_BLOCK,
-                 exclusion: bool | None = None):
+                 packed: str = "split"):
         self.family = family_of(model)
         self.model = model
         # "blockwise": inside `positions`, attention runs orpo.engine.attention's (gemma2 keeps its own).
         self.attention = attention
         self.attention_block = attention_block
-        # Packed rows: exclusion dims (one causal attention) or an additive block mask; None = by backend.
-        self.exclusion = exclusion_by_default() if exclusion is None else exclusion
+        if packed not in PACKED_ATTENTION:
+            raise ValueError(f"train.engine.prefix_attention: {packed!r} is not one of {', '.join(PACKED_ATTENTION)}")
+        self.packed = packed
         self.inner = model.model
         self.layers = list(self.inner.layers)
         self.windows = self._windows()
@@ -165,7 +166,11 @@ class Stack:
             if layout.plain:
                 built[w] = create_attention_mask(h, None, window_size=w, return_array=self.array_masks)
                 continue
-            if self._excludes(w):
+            kind = self._packed_kind(w, layout)
+            if kind == "split":
+                built[w] = layout.split
+                continue
+            if kind == "exclusion":
                 built[w] = exclusion_mask(layout.restricted, layout.hidden_keys, h.dtype)
                 continue
             mask = layout.visible()
@@ -180,9 +185,16 @@ class Stack:
             built[w] = mask[:, None, None] if self.mask_5d else mask[:, None]
         return [built[w] for w in self.windows]
 
-    def _excludes(self, window: int | None) -> bool:
-        """Whether a layer with this window runs a packed layout as one causal attention (ExclusionMask)."""
-        return window is None and self.exclusion and self.attention == "mlx" and not self.array_masks
+    def _packed_kind(self, window: int | None, layout: Layout) -> str:
+        """How a layer with this window attends over a packed layout: split, exclusion or mask.
+
+        Sliding windows, gemma2's own attention and the blockwise attention take the block mask array.
+        """
+        if window is not None or self.attention != "mlx" or self.array_masks:
+            return "mask"
+        if self.packed == "split" and layout.split is None:
+            return "mask"
+        return self.packed
 
     @contextmanager
     def positions(self, layout: Layout) -> Iterator[None]:
@@ -191,8 +203,8 @@ class Stack:
         if self.attention == "blockwise":
             with causal_blockwise_in(modules, self.attention_block), self._rope_positions(layout):
                 yield
-        elif not layout.plain and any(self._excludes(w) for w in self.windows):
-            with exclusion_masks_in(modules), self._rope_positions(layout):
+        elif not layout.plain and any(self._packed_kind(w, layout) != "mask" for w in self.windows):
+            with packed_masks_in(modules), self._rope_positions(layout):
                 yield
         else:
             with self._rope_positions(layout):

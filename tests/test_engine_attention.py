@@ -7,18 +7,16 @@ of tiny models) against the trainer's naive path. Float32 on the CPU: the two or
 agree to ~1e-6 (measured: <= 1e-6 absolute on outputs and gradients of O(1)).
 """
 
-import itertools
-
 import mlx.core as mx
 import numpy as np
 import pytest
 from conftest import MATMUL_TOL
 from mlx_lm.models import gemma2, llama
 from test_engine_ladder import LAM, assert_close, lora_model, naive
-from test_engine_stack import random_pairs
+from test_engine_stack import prompt_groups, random_pairs
 
-from orpo.engine.attention import blockwise_attention, causal_blockwise_in
 from orpo.device import on_cuda
+from orpo.engine.attention import blockwise_attention, causal_blockwise_in
 from orpo.engine.objective import pair_value_and_grad, resolve_engine
 
 TOL = 10 * MATMUL_TOL  # float32 outputs/gradients of O(1), absolute (1e-5 on the CPU)
@@ -341,14 +339,9 @@ def split_case(prompts: list[int], start: int, length: int, align: int = 1):
     """SplitRows of rows [prompt; chosen; pad | rejected; pad] (rejected from `start`) and the boolean mask they mean."""
     from orpo.engine.attention import SplitRows
 
-    groups, first = [], 0
-    for p, run in itertools.groupby(prompts):
-        size = len(list(run))
-        groups.append((first, first + size, p))
-        first += size
     q, k = np.arange(length)[:, None], np.arange(length)[None, :]
     keep = np.stack([(k <= q) & ~((q >= start) & (k >= p) & (k < start)) for p in prompts])
-    return SplitRows(start, tuple(groups), align), keep[:, None]
+    return SplitRows(start, prompt_groups(prompts), align), keep[:, None]
 
 
 @pytest.mark.parametrize("geometry", ["gqa", "mha"])

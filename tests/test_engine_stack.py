@@ -51,6 +51,16 @@ def random_pairs(seed: int, n: int = 3) -> Pairs:
     return Pairs([f"p{i}" for i in range(n)], prompts, chosen, rejected, *scored)
 
 
+def prompt_groups(prompts: list[int]) -> tuple[tuple[int, int, int], ...]:
+    """(first row, end row, prompt length) of each run of consecutive rows with one prompt length."""
+    groups, first = [], 0
+    for p, run in itertools.groupby(prompts):
+        size = len(list(run))
+        groups.append((first, first + size, p))
+        first += size
+    return tuple(groups)
+
+
 def with_unshared_pair(pairs: Pairs, seed: int) -> Pairs:
     """`pairs` plus one pair given as two full sequences whose prompts differ (prefix sharing must fall back)."""
     extra = random_pairs(seed, 2)
@@ -133,12 +143,7 @@ def test_shared_rows_layout_and_its_three_attentions(multiple):
         expected[i] = (k <= q) & ~((q >= start) & (k >= p) & (k < start))
     assert np.array_equal(np.array(lay.visible()), expected)
     # Consecutive rows with one prompt length share one attention for rejected's queries.
-    groups, first = [], 0
-    for p, run in itertools.groupby(prompts):
-        size = len(list(run))
-        groups.append((first, first + size, p))
-        first += size
-    assert lay.split.groups == tuple(groups) and len(groups) < len(pairs)
+    assert lay.split.groups == prompt_groups(prompts) and len(lay.split.groups) < len(pairs)
     stack = Stack(model)
     h0 = stack.embed(lay.tokens)
     assert all(isinstance(mask, SplitRows) for mask in stack.masks(lay, h0))

@@ -13,6 +13,7 @@ all the same: the keys are (seed, step, micro-batch, module)).
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -130,10 +131,10 @@ def _block_layout(tokens: np.ndarray, shared: np.ndarray, start: int, align: int
     in_rejected = np.broadcast_to(pos >= start, tokens.shape)  # padding after it too: it sees what rejected sees
     hidden = (pos >= shared[:, None]) & (pos < start)  # chosen's own keys and the pad after them
     positions = np.where(in_rejected, pos - start + shared[:, None], pos)
-    groups, first = [], 0
-    for r in range(1, len(shared) + 1):
-        if r == len(shared) or shared[r] != shared[first]:
-            groups.append((first, r, int(shared[first])))
-            first = r
+    groups, first = [], 0  # runs of consecutive rows with one prompt length: one rejected attention each
+    for p, run in itertools.groupby(shared.tolist()):
+        size = len(list(run))
+        groups.append((first, first + size, p))
+        first += size
     return Layout(mx.array(tokens), mx.array(positions, mx.int32), mx.array(in_rejected), mx.array(hidden),
                   SplitRows(start, tuple(groups), align))

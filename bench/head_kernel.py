@@ -5,8 +5,8 @@ orpo.engine.head_kernel computes a [chunk, V] logit block's logsumexp and target
 block to float32 under mx.compile before MLX's logsumexp. This script times, at the auto chunk for each
 vocabulary, (a) the block alone and (b) one head chunk's forward (projection matmul + block), both ways,
 each call evaluated on its own, and checks the kernel's results against the MLX block's (with and without
-a logit softcap). The head inside a full step: `engine.py --shape h200-head` (`-mlx` cases) and
-`--shape h200` (`fused-prefix-128-c-mlx-head`).
+a logit softcap). The head inside a full step: `engine.py --shape h200-head` (the `-auto-kernel` cases) and
+`--shape h200` (`fused-prefix-128-c-kernel`).
 
     python3 bench/head_kernel.py        # needs MLX's CUDA backend
 """

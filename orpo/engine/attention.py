@@ -273,8 +273,8 @@ class SplitRows:
     split_attention). Hashable and array-free: it is part of a compiled step's key, not an input.
     Why: no mask array and no widened head dim, so each part is MLX's fused causal attention (cuDNN's forward
     and backward on CUDA at widths of 128), and the masked-out (rejected query, chosen key) area is never
-    computed. One H200 layer at the `h200-prefix` shape, fwd+bwd: 1.53-1.62 ms vs 2.09-2.22 ms for the
-    ExclusionMask and 1.68 ms for two forwards (bench/README.md).
+    computed. One H200 layer at the `h200-prefix` shape, fwd+bwd compiled: 1.53 ms vs 2.09-2.14 ms for the
+    ExclusionMask and 1.68-1.78 ms for two forwards (bench/README.md).
     """
 
     rejected_start: int

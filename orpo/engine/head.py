@@ -134,14 +134,8 @@ def _forward_block(cap: float | None, kernel: bool = False) -> Callable:
         lse = mx.logsumexp(z, axis=-1)
         return mx.take_along_axis(z, targets[:, None], axis=-1)[:, 0] - lse, lse
 
-    compiled = mx.compile(block)
-    if not kernel:
-        return compiled
-
-    def dispatch(x: mx.array, targets: mx.array) -> tuple[mx.array, mx.array]:
-        return (logsumexp_block(cap) or compiled)(x, targets)  # the kernel's block is kept per cap; None off CUDA
-
-    return dispatch
+    # The kernel's block where asked for and CUDA runs it (None elsewhere): decided once, not per chunk.
+    return (kernel and logsumexp_block(cap)) or mx.compile(block)
 
 
 @cache

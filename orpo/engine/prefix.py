@@ -93,7 +93,7 @@ def shared_rows(pairs: Pairs, input_multiple: int | None = None) -> PackedPairs:
     """
     multiple = input_multiple or 16
     heads, tails, shared = [], [], []
-    scored, where, targets = ([], []), ([], []), ([], [])  # (chosen, rejected), per pair
+    scored, targets = ([], []), ([], [])  # (chosen, rejected), per pair
     fallbacks = 0
     for i in range(len(pairs)):
         full_c, mc, full_r, mr = _sequences(pairs, i)
@@ -106,8 +106,6 @@ def shared_rows(pairs: Pairs, input_multiple: int | None = None) -> PackedPairs:
         sc, sr = _scored(mc), _scored(mr)
         scored[0].append(sc)
         scored[1].append(sr)
-        where[0].append([t - 1 for t in sc])
-        where[1].append([(t, p) for t in sr])
         targets[0].extend(full_c[t] for t in sc)
         targets[1].extend(full_r[t] for t in sr)
     head_block = pad_rows(heads, 0, multiple)
@@ -115,7 +113,8 @@ def shared_rows(pairs: Pairs, input_multiple: int | None = None) -> PackedPairs:
     tokens = np.concatenate([head_block, pad_rows(tails, 0, multiple)], axis=1)
     width = tokens.shape[1]
     # Token t is predicted from position t-1: for rejected, in the shared prompt or in its own block.
-    where = (where[0], [[t - 1 if t <= p else start + t - 1 - p for t, p in side] for side in where[1]])
+    where = ([[t - 1 for t in sc] for sc in scored[0]],
+             [[t - 1 if t <= p else start + t - 1 - p for t in sr] for sr, p in zip(scored[1], shared)])
     index = [i * width + j for side in where for i, idx in enumerate(side) for j in idx]
     # Alignment of rejected's attention only where widths are asked for (CUDA's 128: SplitRows explains why).
     align = input_multiple or 1

@@ -114,7 +114,7 @@ def trainables_replaced(modules: Sequence[nn.Module], arrays: Sequence[mx.array]
 
 # How packed rows' full-attention layers attend: two causal attentions (SplitRows), one causal attention with
 # exclusion dims (ExclusionMask), or an additive [B, 1, L, L] block mask. Split does the least attention work:
-# an H200 layer 1.53-1.62 ms fwd+bwd vs 2.09-2.22 (exclusion), the `h200-prefix` step 1.04-1.05x exclusion's
+# an H200 layer 1.53 ms fwd+bwd compiled (1.70 not) vs 2.09-2.22 (exclusion), the `h200-prefix` step 1.04-1.05x exclusion's
 # speed, the CPU's `cpu-prefix` 1.03x; on Metal, where MLX trains on its unfused attention whatever the mask,
 # it scores [S, S] + [R, P + R] instead of [L, L] (not measured there).
 PACKED_ATTENTION = ("split", "exclusion", "mask")

@@ -35,14 +35,25 @@ def batch_schedule(
     return steps[:max_steps] if max_steps > 0 else steps
 
 
+def ladder(n: int, unit: int, per_octave: int = 8) -> int:
+    """The smallest size >= n on a ladder of `unit` multiples: every multiple up to per_octave units, then
+    per_octave sizes per doubling (at most 1/per_octave of padding), so variable lengths give few shapes.
+
+    Each distinct padded shape is a new `mx.compile` trace and new buffer sizes in MLX's cache: a run's
+    shapes are bounded by the number of rungs below its longest row (about per_octave per doubling).
+    """
+    k = max(1, math.ceil(n / unit))
+    step = 2 ** max(0, (k - 1).bit_length() - per_octave.bit_length())
+    return int(math.ceil(k / step) * step * unit)
+
+
 def pad_rows(rows: Sequence[Sequence[int]], pad: int, multiple: int = 16, extra: int = 0) -> np.ndarray:
-    """Right-pad int rows to one length, `extra` plus a multiple of `multiple`, so few distinct shapes occur.
+    """Right-pad int rows to one length, `extra` plus a rung of `ladder(.., multiple)`, so few distinct shapes occur.
 
     extra=1 suits rows the model reads shifted by one (inputs = tokens[:, :-1]): their inputs are then a
     whole multiple long.
     """
-    width = max(len(r) for r in rows)
-    width = int(math.ceil(max(width - extra, 1) / multiple) * multiple) + extra
+    width = ladder(max(max(len(r) for r in rows) - extra, 1), multiple) + extra
     out = np.full((len(rows), width), pad, dtype=np.int32)
     for i, r in enumerate(rows):
         out[i, : len(r)] = r

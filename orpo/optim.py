@@ -48,10 +48,3 @@ def lora_adamw(
     fast = optim.AdamW(learning_rate=lr_schedule(kind, lr * plus_ratio, total_steps, warmup_steps),
                        weight_decay=weight_decay)
     return optim.MultiOptimizer([fast, base], [lambda path, _: path.endswith("lora_b")])
-
-
-def current_lr(opt: optim.Optimizer) -> float:
-    """The base learning rate of the last update (the A matrices' rate under LoRA+)."""
-    if isinstance(opt, optim.MultiOptimizer):
-        opt = opt.optimizers[-1]
-    return opt.learning_rate.item()

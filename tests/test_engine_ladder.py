@@ -133,7 +133,7 @@ def test_auto_settings_are_decided_by_the_device():
     from orpo.engine.objective import input_multiple
     e = resolve_engine({})
     assert e["prefix_sharing"] is True  # on everywhere since the exclusion attention (bench/README.md)
-    assert e["prefix_attention"] == "split"
+    assert e["prefix_attention"] == "auto"  # decided per batch by the rows (orpo.engine.prefix.shared_rows)
     with pytest.raises(ValueError, match="train.engine.prefix_attention"):
         resolve_engine({"prefix_attention": "dims"})
     assert input_multiple(e) == (128 if on_cuda() else None)

@@ -118,45 +118,81 @@ def test_shared_rows_give_the_hidden_states_of_separate_forwards(variant):
 
 
 @pytest.mark.parametrize("multiple", [None, 32])
-def test_shared_rows_layout_and_its_three_attentions(multiple):
-    """Prefix rows are [prompt; chosen[:-1]; pad | rejected own; pad] with rejected's block at one column, a
-    multiple of the width multiple; tokens and visibility equal a numpy oracle of the block mask; the default
-    masks are SplitRows, whose hidden states equal the exclusion dims' and the layers run under the additive
-    block mask."""
+@pytest.mark.parametrize("attention", ["split", "exclusion"])
+def test_shared_rows_layout_and_its_attentions(multiple, attention):
+    """Aligned prefix rows ([prompt; chosen[:-1]; pad | rejected own; pad], rejected's block at one column, a
+    rung of the width multiple) or tight ones ([prompt; chosen[:-1]; rejected own; pad]): tokens and
+    visibility equal a numpy oracle of the block mask; the default masks (SplitRows on aligned rows, the
+    exclusion dims on tight ones) give the hidden states of the additive block mask, and so does each other
+    attention the layout allows."""
+    from orpo.batching import ladder
     from orpo.engine.attention import ExclusionMask, SplitRows
     model = tiny_model("llama")
     pairs = with_unshared_pair(random_pairs(6, 4), 2)
-    packed = shared_rows(pairs, multiple)
+    packed = shared_rows(pairs, multiple, attention)
     lay = packed.layout
     m, n = multiple or 16, lay.tokens.shape[1]
-    up = lambda x: -(-x // m) * m
     prompts = [0 if pairs.ids[i] == "unshared" else len(pairs.prompt[i]) for i in range(len(pairs))]  # unshared: none
     heads = [pairs.prompt[i] + pairs.chosen[i][:-1] for i in range(len(pairs))]
     tails = [(pairs.prompt[i] + pairs.rejected[i])[p:-1] for i, p in enumerate(prompts)]
-    start = up(max(map(len, heads)))
-    assert lay.split.rejected_start == start and n == start + up(max(map(len, tails)))
+    if attention == "split":
+        starts = [ladder(max(map(len, heads)), m)] * len(pairs)
+        assert lay.split.rejected_start == starts[0] and n == starts[0] + ladder(max(map(len, tails)), m)
+    else:
+        starts = [len(h) for h in heads]
+        assert lay.split is None and n == ladder(max(len(h) + len(t) for h, t in zip(heads, tails)), m)
     expected = np.zeros((len(pairs), n, n), bool)
     q, k = np.arange(n)[:, None], np.arange(n)[None, :]
-    for i, p in enumerate(prompts):
-        row = heads[i] + [0] * (start - len(heads[i])) + tails[i] + [0] * (n - start - len(tails[i]))
-        assert np.array_equal(np.array(lay.tokens[i]), row)
+    for i, (p, start) in enumerate(zip(prompts, starts)):
+        row = heads[i] + [0] * (start - len(heads[i])) + tails[i]
+        assert np.array_equal(np.array(lay.tokens[i]), row + [0] * (n - len(row)))
         expected[i] = (k <= q) & ~((q >= start) & (k >= p) & (k < start))
     assert np.array_equal(np.array(lay.visible()), expected)
-    # Consecutive rows with one prompt length share one attention for rejected's queries.
-    assert lay.split.groups == prompt_groups(prompts) and len(lay.split.groups) < len(pairs)
+    if attention == "split":  # consecutive rows with one prompt length share one attention for rejected's queries
+        assert lay.split.groups == prompt_groups(prompts) and len(lay.split.groups) < len(pairs)
     stack = Stack(model)
     h0 = stack.embed(lay.tokens)
-    assert all(isinstance(mask, SplitRows) for mask in stack.masks(lay, h0))
+    default = SplitRows if attention == "split" else ExclusionMask
+    assert all(isinstance(mask, default) for mask in stack.masks(lay, h0))
     additive = mx.where(lay.visible(), mx.array(0.0), mx.array(-mx.inf))[:, None]
     with stack.positions(lay):
         by_mask = stack.norm(stack.run(h0, [additive] * len(stack.layers), 0, len(stack.layers)))
     want = np.array(by_mask.reshape(-1, by_mask.shape[-1])[packed.index])
-    for kind, mask_type in (("split", SplitRows), ("exclusion", ExclusionMask), ("mask", mx.array)):
+    kinds = (("split", SplitRows), ("exclusion", ExclusionMask), ("mask", mx.array))
+    for kind, mask_type in kinds if attention == "split" else kinds[1:]:
         other = Stack(model, packed=kind)
-        assert all(isinstance(mask, mask_type) for mask in other.masks(lay, h0))
-        h = other.hidden(lay)
+        assert attention != "split" or all(isinstance(mask, SplitRows) for mask in other.masks(lay, h0))
+        if attention == "split" and kind != "split":  # aligned rows attended without SplitRows
+            lay_other = Layout(lay.tokens, lay.positions, lay.restricted, lay.hidden_keys)
+        else:
+            lay_other = lay
+        assert all(isinstance(mask, mask_type) for mask in other.masks(lay_other, h0))
+        h = other.hidden(lay_other)
         np.testing.assert_allclose(np.array(h.reshape(-1, h.shape[-1])[packed.index]), want,
                                    rtol=10 * MATMUL_TOL, atol=10 * MATMUL_TOL, err_msg=kind)
+
+
+def test_auto_rows_are_aligned_only_where_that_costs_no_padding():
+    """auto: one prompt length and no wider than tight rows -> aligned rows (split); otherwise tight rows.
+    The targets are padded to a ladder rung with weight 0, and the token counts are the pairs' own."""
+    rng = np.random.default_rng(5)
+    ids = lambda k: [int(x) for x in rng.integers(1, VOCAB, k)]  # noqa: E731
+    # One prompt length; [prompt; chosen[:-1]] and rejected[:-1] fill 16 columns each: aligned = tight width.
+    same = Pairs([f"p{i}" for i in range(4)], [ids(10) for _ in range(4)], [ids(7) for _ in range(4)],
+                 [ids(17) for _ in range(4)], [[1] * 7] * 4, [[1] * 17] * 4)
+    assert shared_rows(same).layout.split is not None
+    # A long chosen beside a short rejected: the aligned blocks add up to 48 columns, tight rows need 32.
+    same.chosen[1], same.chosen_mask[1], same.rejected[1], same.rejected_mask[1] = ids(20), [1] * 20, ids(2), [1, 1]
+    assert shared_rows(same).layout.split is None and shared_rows(same, attention="split").layout.split is not None
+    varied = random_pairs(6, 4)
+    assert len({len(p) for p in varied.prompt}) > 1 and shared_rows(varied).layout.split is None
+    packed = shared_rows(varied)
+    scored = sum(sum(c) + sum(r) for c, r in zip(varied.chosen_mask, varied.rejected_mask))
+    m = packed.targets.shape[0]
+    assert m >= scored and np.array(packed.weights)[:, scored:].sum() == 0 and packed.weights.shape == (8, m)
+    full = [len(p) + len(c) + len(r) for p, c, r in zip(varied.prompt, varied.chosen, varied.rejected)]
+    assert packed.two_forward_tokens == sum(full) + sum(map(len, varied.prompt))
+    assert packed.row_tokens == sum(full)
 
 
 ROPES = {

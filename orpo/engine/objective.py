@@ -8,6 +8,7 @@ bit-identical; every other setting goes through our stack forward.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
@@ -45,12 +46,15 @@ def resolve_engine(engine: dict[str, Any] | None) -> dict[str, Any]:
     if int(e["overlap"]) < 0 or float(e["memory_limit_gb"]) < 0:
         raise ValueError(f"train.engine.overlap and train.engine.memory_limit_gb: must be >= 0 "
                          f"(got {e['overlap']}, {e['memory_limit_gb']})")
+    c = e["cache_limit_gb"]
+    if c != "auto" and (isinstance(c, (str, bool)) or float(c) < 0):
+        raise ValueError(f"train.engine.cache_limit_gb: must be auto or a number >= 0 (got {c!r})")
     if int(e["width_multiple"]) < 0:
         raise ValueError(f"train.engine.width_multiple: must be >= 0 (got {e['width_multiple']})")
     if e["prefix_sharing"] not in ("auto", True, False):
         raise ValueError(f"train.engine.prefix_sharing: {e['prefix_sharing']!r} is not one of auto, true, false")
-    if e["prefix_attention"] not in ("auto", *PACKED_ATTENTION):
-        raise ValueError(f"train.engine.prefix_attention: {e['prefix_attention']!r} is not one of auto, "
+    if e["prefix_attention"] not in PACKED_ATTENTION:
+        raise ValueError(f"train.engine.prefix_attention: {e['prefix_attention']!r} is not one of "
                          f"{', '.join(PACKED_ATTENTION)}")
     if e["compile"] not in ("auto", True, False):
         raise ValueError(f"train.engine.compile: {e['compile']!r} is not one of auto, true, false")
@@ -70,8 +74,6 @@ def resolve_engine(engine: dict[str, Any] | None) -> dict[str, Any]:
         # response, 1.27x at 0.82x with prompt = 2x response (1.25x with prompts of their own lengths; naive
         # head uncompiled 1.41-1.46x); CPU 1.7-1.9x (bench/README.md).
         e["prefix_sharing"] = True
-    if e["prefix_attention"] == "auto":
-        e["prefix_attention"] = "split"  # the least attention work (orpo.engine.stack.PACKED_ATTENTION)
     return e
 
 
@@ -112,7 +114,7 @@ def naive_pair_loss(model: nn.Module, tokens: mx.array, mask: mx.array, n: int, 
 def pack(pairs: Pairs, engine: dict[str, Any]) -> PackedPairs:
     """The forward rows of `pairs`: one shared-prefix row per pair, or the plain [chosen; rejected] rows."""
     m = input_multiple(engine)
-    return shared_rows(pairs, m) if engine["prefix_sharing"] else plain_rows(pairs, m)
+    return shared_rows(pairs, m, engine["prefix_attention"]) if engine["prefix_sharing"] else plain_rows(pairs, m)
 
 
 def scored_rows(hidden: mx.array, packed: PackedPairs) -> mx.array:
@@ -132,20 +134,55 @@ def packed_logps(head: LMHead, hidden: mx.array, packed: PackedPairs, engine: di
     return packed.weights @ logp
 
 
-def pair_value_and_grad(model: nn.Module, pairs: Pairs, lam: float,
-                        engine: dict[str, Any] | None) -> tuple[tuple[mx.array, dict[str, mx.array]], Any]:
-    """((loss, metrics), grads) of the ORPO loss over all pairs; metrics as orpo_loss's plus prefix_fallbacks.
+@dataclass(frozen=True)
+class MicroBatch:
+    """One micro-batch as the step reads it, built on the host ahead of its step (nothing runs on the device).
 
-    grads has the tree structure of model.trainable_parameters(), as nn.value_and_grad gives it.
-    prefix_fallbacks counts the pairs of this micro-batch whose prompts differ (no sharing for them).
+    `packed` holds the engine's rows, `plain` the oracle path's [chosen; rejected] tokens and scoring mask.
+    The counts: `scored` response tokens, `row_tokens` and `two_forward_tokens` the pairs' tokens as the
+    rows hold them and as two forwards would, `positions` the rows' size with their padding.
     """
+
+    n: int
+    scored: int
+    row_tokens: int
+    two_forward_tokens: int
+    positions: int
+    packed: PackedPairs | None = None
+    plain: tuple[mx.array, mx.array] | None = None
+
+    def signature(self) -> tuple:
+        """The shapes (and split structure) a compiled step is traced for: one trace per distinct signature."""
+        return self.packed.signature() if self.packed is not None else (tuple(self.plain[0].shape),)
+
+
+def prepare(pairs: Pairs, engine: dict[str, Any] | None) -> MicroBatch:
+    """The forward rows of `pairs` for the engine's settings (host work only)."""
     e = resolve_engine(engine)
     n = len(pairs)
+    scored = sum(map(sum, pairs.chosen_mask + pairs.rejected_mask))
     if is_plain(e):
         tokens, mask = pair_batch(pairs, list(range(n)), input_multiple(e))
-        (loss, metrics), grads = nn.value_and_grad(model, naive_pair_loss)(model, tokens, mask, n, lam)
-        return (loss, {**metrics, "prefix_fallbacks": mx.array(0.0)}), grads
+        full = sum(2 * len(p) + len(c) + len(r) for p, c, r in zip(pairs.prompt, pairs.chosen, pairs.rejected))
+        return MicroBatch(n, scored, full, full, int(tokens.size), plain=(tokens, mask))
     packed = pack(pairs, e)
+    return MicroBatch(n, scored, packed.row_tokens, packed.two_forward_tokens, int(packed.layout.tokens.size),
+                      packed=packed)
+
+
+def batch_value_and_grad(model: nn.Module, batch: MicroBatch, lam: float,
+                         engine: dict[str, Any] | None) -> tuple[tuple[mx.array, dict[str, mx.array]], Any]:
+    """((loss, metrics), grads) of the ORPO loss over a prepared micro-batch; metrics as orpo_loss's plus
+    prefix_fallbacks (the pairs whose prompts differ: no sharing for them).
+
+    grads has the tree structure of model.trainable_parameters(), as nn.value_and_grad gives it.
+    """
+    e = resolve_engine(engine)
+    n = batch.n
+    if batch.plain is not None:
+        (loss, metrics), grads = nn.value_and_grad(model, naive_pair_loss)(model, *batch.plain, n, lam)
+        return (loss, {**metrics, "prefix_fallbacks": mx.array(0.0)}), grads
+    packed = batch.packed
     if int(e["segment_layers"]) > 0:
         (loss, metrics), grads = _segmented(model, packed, n, lam, e)
     elif e["compile"]:
@@ -153,6 +190,12 @@ def pair_value_and_grad(model: nn.Module, pairs: Pairs, lam: float,
     else:
         (loss, metrics), grads = nn.value_and_grad(model, lambda: whole_loss(model, packed, n, lam, e))()
     return (loss, {**metrics, "prefix_fallbacks": mx.array(float(packed.fallbacks))}), grads
+
+
+def pair_value_and_grad(model: nn.Module, pairs: Pairs, lam: float,
+                        engine: dict[str, Any] | None) -> tuple[tuple[mx.array, dict[str, mx.array]], Any]:
+    """`batch_value_and_grad` of `prepare(pairs)`: the rows built and differentiated in one call."""
+    return batch_value_and_grad(model, prepare(pairs, engine), lam, engine)
 
 
 def _segmented(model: nn.Module, packed: PackedPairs, n: int, lam: float,

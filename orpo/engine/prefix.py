@@ -1,8 +1,11 @@
 """Pairs -> forward rows plus where each scored token's predicting hidden state sits.
 
 Two layouts. `plain_rows`: the trainer's [chosen; rejected] causal rows (2B rows). `shared_rows`: prefix
-sharing, one row per pair holding [prompt; chosen; pad | rejected; pad] with a block mask (rejected cannot
-see chosen) and RoPE positions restarted at the prompt length for rejected, so the prompt is computed once.
+sharing, one row per pair, rejected blind to chosen and its RoPE positions restarted at the prompt length,
+so the prompt is computed once. Its rows are aligned, [prompt; chosen; pad | rejected; pad] with every
+rejected block at one column (what the split attention needs: `attention.SplitRows`), or tight,
+[prompt; chosen; rejected; pad] (attended with the exclusion dims or a mask). Widths and target counts are
+rungs of `orpo.batching.ladder`, so variable-length data gives few distinct shapes (and compiled traces).
 A pair's prompt is everything before its first scored token; a pair whose chosen and rejected prompts
 differ (a pair given as two full sequences with `prompt=[]`) falls back to two independent blocks in its
 row (nothing shared, rejected's positions restart at 0) and is counted.
@@ -19,7 +22,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
-from orpo.batching import pad_rows
+from orpo.batching import ladder, pad_rows
 from orpo.engine.attention import SplitRows
 from orpo.engine.stack import Layout
 from orpo.train.data import Pairs, pair_batch
@@ -30,7 +33,11 @@ class PackedPairs:
     """A layout and, per scored token, the flat [row * width + position] index of the hidden state predicting it.
 
     `weights[k, m]` is 1/(scored tokens of sequence k) when target m belongs to sequence k: rows 0..B-1 are
-    the chosen sequences, B..2B-1 the rejected ones, so `weights @ logp` is the per-sequence mean.
+    the chosen sequences, B..2B-1 the rejected ones, so `weights @ logp` is the per-sequence mean. The
+    targets are padded to a rung of `ladder` with weight-0 entries (index 0, target 0), so the head's
+    input shape, like the rows', takes few values. `row_tokens` counts the pairs' tokens as the rows hold them
+    (a shared prompt once), `two_forward_tokens` as two separate sequences per pair would (as bench/engine.py
+    counts them); padding is in neither.
     """
 
     layout: Layout
@@ -38,6 +45,12 @@ class PackedPairs:
     targets: mx.array
     weights: mx.array
     fallbacks: int
+    row_tokens: int = 0
+    two_forward_tokens: int = 0
+
+    def signature(self) -> tuple:
+        """What a compiled step is traced for: the rows' shape, the targets' count and the split structure."""
+        return (tuple(self.layout.tokens.shape), int(self.targets.shape[0]), self.layout.split)
 
 
 def _sequences(pairs: Pairs, i: int) -> tuple[list[int], list[int], list[int], list[int]]:
@@ -52,13 +65,23 @@ def _scored(mask: list[int]) -> list[int]:
     return [t for t in range(1, len(mask)) if mask[t]]
 
 
-def _weights(groups: list[list[int]], total: int) -> mx.array:
+# Target counts per octave: the head's padding costs at most a quarter of its work, and few shapes occur.
+TARGETS_PER_OCTAVE = 4
+
+
+def _targets(layout: Layout, index: list[int], targets: list[int], groups: list[int], multiple: int,
+             row_tokens: int, two_forward_tokens: int, fallbacks: int) -> PackedPairs:
+    """PackedPairs with the targets padded to a ladder rung; groups[k] = scored tokens of sequence k, in order."""
+    m = len(index)
+    total = ladder(max(m, 1), multiple, TARGETS_PER_OCTAVE)
     w = np.zeros((len(groups), total), np.float32)
     start = 0
-    for k, n in enumerate(len(g) for g in groups):
+    for k, n in enumerate(groups):
         w[k, start:start + n] = 1.0 / n if n else 0.0
         start += n
-    return mx.array(w)
+    pad = [0] * (total - m)  # weight 0: the head scores them, the loss never sees them
+    return PackedPairs(layout, mx.array(index + pad, mx.int32), mx.array(targets + pad, mx.int32), mx.array(w),
+                       fallbacks, row_tokens, two_forward_tokens)
 
 
 def shared_prompt_length(a: list[int], mask_a: list[int], b: list[int], mask_b: list[int]) -> int | None:
@@ -74,22 +97,25 @@ def plain_rows(pairs: Pairs, input_multiple: int | None = None) -> PackedPairs:
     """The trainer's layout, exactly: `pair_batch`'s B chosen then B rejected rows, inputs = tokens[:, :-1]."""
     tokens, mask = (np.array(a) for a in pair_batch(pairs, list(range(len(pairs))), input_multiple))
     scored = mask[:, 1:] > 0
-    rows, cols = np.nonzero(scored)  # row-major: sequence by sequence, as `weights` expects
+    rows, cols = np.nonzero(scored)  # row-major: sequence by sequence, as the weights expect
     width = tokens.shape[1] - 1
-    groups = [list(np.nonzero(r)[0]) for r in scored]
-    return PackedPairs(Layout(mx.array(tokens[:, :-1])), mx.array(rows * width + cols, mx.int32),
-                       mx.array(tokens[rows, cols + 1], mx.int32), _weights(groups, len(rows)), 0)
+    real = sum(2 * len(p) + len(c) + len(r) for p, c, r in zip(pairs.prompt, pairs.chosen, pairs.rejected))
+    return _targets(Layout(mx.array(tokens[:, :-1])), (rows * width + cols).tolist(), tokens[rows, cols + 1].tolist(),
+                    scored.sum(axis=1).tolist(), input_multiple or 16, real, real, 0)
 
 
-def shared_rows(pairs: Pairs, input_multiple: int | None = None) -> PackedPairs:
-    """Prefix sharing: one row [prompt; chosen[:-1]; pad | rejected own; pad] per pair, rejected blind to chosen.
+def shared_rows(pairs: Pairs, input_multiple: int | None = None, attention: str = "auto") -> PackedPairs:
+    """Prefix sharing: one row per pair holding its prompt once, chosen, then rejected blind to chosen.
 
-    Every row's rejected block starts at one column, a multiple of `input_multiple` (16 if None), and the
-    row ends at another, so both attentions of SplitRows get widths of that multiple (128 on CUDA: cuDNN's
-    backward). The pad between chosen and rejected is hidden from rejected like chosen's own tokens; pads
-    are never scored. The layout holds per-token vectors only (positions, which tokens are rejected's, which
-    keys rejected may not see) and the SplitRows structure; an [L, L] visibility is built on the device only
-    where a layer needs it (Layout.visible).
+    Aligned rows ([prompt; chosen[:-1]; pad | rejected own; pad], every rejected block at one column, a rung
+    of `input_multiple` (16 if None), the row ending at another) let the split attention run each part at
+    widths of that multiple (128 on CUDA: cuDNN's backward); the pad between chosen and rejected is hidden
+    from rejected like chosen's own tokens. Tight rows ([prompt; chosen[:-1]; rejected own; pad]) hold no
+    padding but at the end. `attention` "split" takes aligned rows, "exclusion" and "mask" tight ones, and
+    "auto" aligned rows where they are no wider than tight ones and every pair has one prompt length (one
+    rejected attention, one trace), else tight rows. Pads are never scored. The layout holds per-token
+    vectors only (positions, which tokens are rejected's, which keys rejected may not see) and, aligned,
+    the SplitRows structure; an [L, L] visibility is built on the device only where a layer needs it.
     """
     multiple = input_multiple or 16
     heads, tails, shared = [], [], []
@@ -108,32 +134,45 @@ def shared_rows(pairs: Pairs, input_multiple: int | None = None) -> PackedPairs:
         scored[1].append(sr)
         targets[0].extend(full_c[t] for t in sc)
         targets[1].extend(full_r[t] for t in sr)
-    head_block = pad_rows(heads, 0, multiple)
-    start = head_block.shape[1]  # where every row's rejected block begins
-    tokens = np.concatenate([head_block, pad_rows(tails, 0, multiple)], axis=1)
+    lengths = [len(h) + len(t) for h, t in zip(heads, tails)]
+    tight_width = ladder(max(lengths), multiple)
+    aligned_width = ladder(max(map(len, heads)), multiple) + ladder(max(map(len, tails)), multiple)
+    aligned = attention == "split" or (attention == "auto" and len(set(shared)) == 1 and aligned_width <= tight_width)
+    if aligned:
+        head_block = pad_rows(heads, 0, multiple)
+        tokens = np.concatenate([head_block, pad_rows(tails, 0, multiple)], axis=1)
+        starts = [head_block.shape[1]] * len(pairs)
+    else:
+        tokens = pad_rows([h + t for h, t in zip(heads, tails)], 0, multiple)
+        starts = [len(h) for h in heads]
     width = tokens.shape[1]
     # Token t is predicted from position t-1: for rejected, in the shared prompt or in its own block.
     where = ([[t - 1 for t in sc] for sc in scored[0]],
-             [[t - 1 if t <= p else start + t - 1 - p for t in sr] for sr, p in zip(scored[1], shared)])
+             [[t - 1 if t <= p else start + t - 1 - p for t in sr] for sr, p, start in zip(scored[1], shared, starts)])
     index = [i * width + j for side in where for i, idx in enumerate(side) for j in idx]
     # Alignment of rejected's attention only where widths are asked for (CUDA's 128: SplitRows explains why).
-    align = input_multiple or 1
-    return PackedPairs(_block_layout(tokens, np.array(shared), start, align), mx.array(index, mx.int32),
-                       mx.array(targets[0] + targets[1], mx.int32), _weights(scored[0] + scored[1], len(index)),
-                       fallbacks)
+    split = _split_rows(shared, starts[0], input_multiple or 1) if aligned else None
+    two_forward = sum(len(h) + len(t) + p + 2 for h, t, p in zip(heads, tails, shared))  # both whole sequences
+    return _targets(_block_layout(tokens, np.array(shared), np.array(starts), split), index, targets[0] + targets[1],
+                    [len(g) for g in scored[0] + scored[1]], multiple, two_forward - sum(shared), two_forward,
+                    fallbacks)
 
 
-def _block_layout(tokens: np.ndarray, shared: np.ndarray, start: int, align: int) -> Layout:
-    """Positions, rejected's tokens, the keys rejected may not see, and the SplitRows of rows
-    [prompt; chosen own; pad | rejected own; pad] (prompt lengths, rejected's start column)."""
-    pos = np.arange(tokens.shape[1])[None, :]
-    in_rejected = np.broadcast_to(pos >= start, tokens.shape)  # padding after it too: it sees what rejected sees
-    hidden = (pos >= shared[:, None]) & (pos < start)  # chosen's own keys and the pad after them
-    positions = np.where(in_rejected, pos - start + shared[:, None], pos)
-    groups, first = [], 0  # runs of consecutive rows with one prompt length: one rejected attention each
-    for p, run in itertools.groupby(shared.tolist()):
+def _split_rows(shared: list[int], start: int, align: int) -> SplitRows:
+    """SplitRows of aligned rows: runs of consecutive rows with one prompt length get one rejected attention."""
+    groups, first = [], 0
+    for p, run in itertools.groupby(shared):
         size = len(list(run))
         groups.append((first, first + size, p))
         first += size
-    return Layout(mx.array(tokens), mx.array(positions, mx.int32), mx.array(in_rejected), mx.array(hidden),
-                  SplitRows(start, tuple(groups), align))
+    return SplitRows(start, tuple(groups), align)
+
+
+def _block_layout(tokens: np.ndarray, shared: np.ndarray, starts: np.ndarray, split: SplitRows | None) -> Layout:
+    """Positions, rejected's tokens and the keys rejected may not see, of rows [prompt; chosen own; (pad);
+    rejected own; pad] whose rejected blocks start at `starts` (one column for all rows when aligned)."""
+    pos = np.arange(tokens.shape[1])[None, :]
+    in_rejected = pos >= starts[:, None]  # padding after it too: it sees what rejected sees
+    hidden = (pos >= shared[:, None]) & ~in_rejected  # chosen's own keys and the pad after them
+    positions = np.where(in_rejected, pos - starts[:, None] + shared[:, None], pos)
+    return Layout(mx.array(tokens), mx.array(positions, mx.int32), mx.array(in_rejected), mx.array(hidden), split)

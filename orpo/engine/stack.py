@@ -112,19 +112,19 @@ def trainables_replaced(modules: Sequence[nn.Module], arrays: Sequence[mx.array]
                 m.update(tree_unflatten(items))
 
 
-# How packed rows' full-attention layers attend: two causal attentions (SplitRows), one causal attention with
-# exclusion dims (ExclusionMask), or an additive [B, 1, L, L] block mask. Split does the least attention work:
-# an H200 layer 1.53 ms fwd+bwd compiled (1.70 not) vs 2.09-2.22 (exclusion), the `h200-prefix` step 1.04-1.05x exclusion's
-# speed, the CPU's `cpu-prefix` 1.03x; on Metal, where MLX trains on its unfused attention whatever the mask,
-# it scores [S, S] + [R, P + R] instead of [L, L] (not measured there).
-PACKED_ATTENTION = ("split", "exclusion", "mask")
+# How packed rows' full-attention layers attend: two causal attentions (SplitRows, aligned rows only), one
+# causal attention with exclusion dims (ExclusionMask), or an additive [B, 1, L, L] block mask; "auto" and
+# "split" take split wherever the rows are aligned, exclusion on tight rows. Split does the least attention
+# work (an H200 layer 1.53 ms fwd+bwd compiled vs 2.09-2.22 for exclusion); tight rows need no common
+# rejected column, so on pairs of their own lengths they hold less padding (orpo.engine.prefix).
+PACKED_ATTENTION = ("auto", "split", "exclusion", "mask")
 
 
 class Stack:
     """The parts of one mlx-lm model: embed, run layers a..b with chosen masks and positions, final norm."""
 
     def __init__(self, model: nn.Module, attention: str = "mlx", attention_block: int = DEFAULT_BLOCK,
-                 packed: str = "split"):
+                 packed: str = "auto"):
         self.family = family_of(model)
         self.model = model
         # "blockwise": inside `positions`, attention runs orpo.engine.attention's (gemma2 keeps its own).
@@ -186,15 +186,15 @@ class Stack:
         return [built[w] for w in self.windows]
 
     def _packed_kind(self, window: int | None, layout: Layout) -> str:
-        """How a layer with this window attends over a packed layout: split, exclusion or mask.
+        """How a layer with this window attends over a packed layout: split (aligned rows), exclusion or mask.
 
         Sliding windows, gemma2's own attention and the blockwise attention take the block mask array.
         """
         if window is not None or self.attention != "mlx" or self.array_masks:
             return "mask"
-        if self.packed == "split" and layout.split is None:
-            return "mask"
-        return self.packed
+        if layout.split is not None:
+            return "split"
+        return "mask" if self.packed == "mask" else "exclusion"
 
     @contextmanager
     def positions(self, layout: Layout) -> Iterator[None]:

@@ -43,6 +43,11 @@ def pair_lengths(pairs: Pairs) -> list[int]:
     return [len(p) + max(len(c), len(r)) for p, c, r in zip(pairs.prompt, pairs.chosen, pairs.rejected)]
 
 
+def pair_tokens(pairs: Pairs) -> list[int]:
+    """Per pair, its tokens with the prompt once: the length of its prefix-shared row."""
+    return [len(p) + len(c) + len(r) for p, c, r in zip(pairs.prompt, pairs.chosen, pairs.rejected)]
+
+
 def pair_batch(pairs: Pairs, rows: list[int], input_multiple: int | None = None) -> tuple[mx.array, mx.array]:
     """Tokens and scoring mask of shape [2B, T]: the B chosen sequences, then the B rejected ones.
 

@@ -75,16 +75,18 @@ class Shard:
         """Dropout keys for this rank's pieces (plain DropoutKeys when alone)."""
         return DropoutKeys(seed) if self.size == 1 else ShardedDropoutKeys(seed, rank=self.rank, size=self.size)
 
-    def reduce(self, grads: Any, metrics: dict[str, mx.array], tokens: int) -> tuple[Any, dict[str, mx.array], int]:
-        """The global batch's mean gradients and metrics and its total scored tokens (identity when alone)."""
+    def reduce(self, grads: Any, metrics: dict[str, mx.array],
+               counts: dict[str, int]) -> tuple[Any, dict[str, mx.array], dict[str, int]]:
+        """The global batch's mean gradients and metrics and its summed token counts (identity when alone)."""
         if self.size == 1:
-            return grads, metrics, tokens
+            return grads, metrics, counts
         # average_gradients packs the arrays into few large all_sums (then divides by size).
         grads = nn.average_gradients(grads, self.group)
         metrics = nn.average_gradients(metrics, self.group)
-        total = mx.distributed.all_sum(mx.array([tokens], dtype=mx.int32), group=self.group)
+        keys = sorted(counts)
+        total = mx.distributed.all_sum(mx.array([counts[k] for k in keys], dtype=mx.int32), group=self.group)
         mx.eval(grads, metrics, total)
-        return grads, metrics, int(total.item())
+        return grads, metrics, dict(zip(keys, total.tolist()))
 
     def broadcast_int(self, value: int) -> int:
         """Rank 0's `value` on every rank; also a barrier (every rank waits for rank 0 to get here)."""

@@ -1,11 +1,16 @@
-"""One training session: model with LoRA, optimizer, data and step order, and the step shared by train/resume/replay."""
+"""One training session: model with LoRA, optimizer, data and step order, and the step shared by train/resume/replay.
+
+A step is two halves so the host's work overlaps the device's: `prepare(step)` builds its micro-batches'
+rows on the host (no device work), `run(step, batches)` builds the graph of the step (gradients through the
+engine, then clipping and the optimizer update under one `mx.compile`) and returns its metrics unevaluated.
+The trainer starts a step, prepares the next while the device runs it, then reads the metrics.
+"""
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -15,13 +20,13 @@ from mlx_lm.utils import load_model
 
 from orpo.batching import batch_schedule
 from orpo.config import section_defaults
-from orpo.engine.objective import pair_logps, pair_value_and_grad
+from orpo.engine.objective import MicroBatch, batch_value_and_grad, pair_logps, prepare, resolve_engine
 from orpo.engine.queue import memory_limit
 from orpo.io import sha256_file
-from orpo.optim import current_lr, lora_adamw, warmup_steps_for
+from orpo.optim import lora_adamw, warmup_steps_for
 from orpo.render.template import resolve_model_dir
 from orpo.train.accumulate import accumulate_grads
-from orpo.train.data import Pairs, load_pairs, pair_lengths
+from orpo.train.data import Pairs, load_pairs, pair_lengths, pair_tokens
 from orpo.train.distributed import Shard, join
 from orpo.train.keys import DropoutKeys
 from orpo.train.lora import adapter_folder, apply_lora, warm_start
@@ -43,6 +48,24 @@ def resolve_settings(settings: dict[str, Any]) -> dict[str, Any]:
 
 
 @dataclass
+class StepResult:
+    """One optimizer step's metrics (arrays, evaluated when read) and its host-side counts."""
+
+    step: int
+    metrics: dict[str, mx.array]
+    counts: dict[str, int]
+
+    def read(self) -> dict[str, float]:
+        """Wait for the step and return its metrics as floats; a non-finite loss or gradient raises TrainingError."""
+        mx.eval(self.metrics)
+        out = {k: v.item() for k, v in self.metrics.items()}
+        finite = out.pop("finite")
+        if not finite:
+            raise TrainingError(f"non-finite loss or gradient at step {self.step}: {out}")
+        return {**out, **self.counts}
+
+
+@dataclass
 class Session:
     """Everything a step needs: model with LoRA, optimizer, data, the step order and the dropout keys."""
 
@@ -55,51 +78,82 @@ class Session:
     keys: DropoutKeys
     init_adapter: dict[str, str] | None = None
     shard: Shard = field(default_factory=Shard)
+    # Distinct micro-batch shapes seen (each a compiled trace when the engine compiles).
+    signatures: set = field(default_factory=set)
+    _update: tuple[list[int], Callable] | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        self.engine = resolve_engine(self.s["engine"])  # "auto" decided once, on this machine
+        self._lengths = pair_tokens(self.train)
 
     @property
     def total_steps(self) -> int:
         return len(self.schedule)
 
     def micro_batches(self, step: int) -> list[list[int]]:
-        """This rank's rows of global step `step` (1-based), cut into micro-batches of batch_size."""
-        return self.shard.micro_batches(self.schedule[step - 1], self.s["batch_size"])
+        """This rank's rows of global step `step` (1-based), cut into micro-batches of batch_size.
+
+        The step's rows are cut in order of length: the same pairs make the step, so the same mean gradient,
+        but each micro-batch holds pairs of similar lengths and so little padding.
+        """
+        rows = sorted(self.schedule[step - 1], key=lambda r: (self._lengths[r], r))
+        return self.shard.micro_batches(rows, self.s["batch_size"])
+
+    def prepare(self, step: int) -> list[MicroBatch]:
+        """Step `step`'s micro-batches as rows (host work only: runs while the device computes the step before)."""
+        return [prepare(self.train.select(rows), self.engine) for rows in self.micro_batches(step)]
+
+    def run(self, step: int, batches: list[MicroBatch]) -> StepResult:
+        """Start optimizer step `step` (1-based) on its prepared micro-batches; its metrics are read later."""
+        if not self.model.training:  # evaluate() leaves it in eval mode (no dropout)
+            self.model.train()
+        with memory_limit(float(self.engine["memory_limit_gb"])):
+
+            def micro(j: int) -> tuple[dict[str, mx.array], Any]:
+                self.keys.at(step, j)  # dropout masks of this micro-batch: keyed by (seed, step, j, module)
+                self.signatures.add(batches[j].signature())
+                (_, metrics), grads = batch_value_and_grad(self.model, batches[j], self.s["lambda"], self.engine)
+                return metrics, grads
+
+            grads, metrics = accumulate_grads(micro, len(batches))
+            counts = {k: sum(getattr(b, k) for b in batches)
+                      for k in ("scored", "row_tokens", "two_forward_tokens", "positions")}
+            # Every rank gets the global batch's mean gradients and metrics: clipping sees the global norm.
+            grads, metrics, counts = self.shard.reduce(grads, metrics, counts)
+            grad_norm, lr = self.update_fn()(grads)
+        metrics = {**metrics, "grad_norm": grad_norm, "lr": lr}
+        metrics["finite"] = mx.all(mx.isfinite(mx.stack([v.astype(mx.float32) for v in metrics.values()])))
+        counts["tokens"] = counts.pop("scored")
+        mx.async_eval(metrics, self.model.trainable_parameters(), self.opt.state)
+        return StepResult(step, metrics, counts)
 
     def step(self, step: int) -> dict[str, float]:
         """Run optimizer step `step` (1-based) and return its metrics as floats."""
-        with memory_limit(float(self.s["engine"]["memory_limit_gb"])):
-            return self._step(step)
+        return self.run(step, self.prepare(step)).read()
 
-    def _step(self, step: int) -> dict[str, float]:
-        if not self.model.training:  # evaluate() leaves it in eval mode (no dropout)
-            self.model.train()
-        parts = self.micro_batches(step)
-        tokens = 0
+    def update_fn(self) -> Callable:
+        """Clip and optimizer update as one compiled function of the gradients (the state read and written in place).
 
-        def micro(j: int) -> tuple[dict[str, mx.array], Any]:
-            nonlocal tokens
-            self.keys.at(step, j)  # dropout masks of this micro-batch: keyed by (seed, step, j, module)
-            pairs = self.train.select(parts[j])
-            tokens += sum(map(sum, pairs.chosen_mask + pairs.rejected_mask))  # scored tokens
-            (_, metrics), grads = pair_value_and_grad(self.model, pairs, self.s["lambda"], self.s["engine"])
-            return metrics, grads
+        Kept per optimizer-state object: a checkpoint restore replaces the state, and the next call compiles anew.
+        """
+        parts = _optimizers(self.opt)
+        states = [o.state for o in parts]
+        if self._update is None or [id(x) for x in states] != self._update[0]:
+            if not all(states):
+                self.opt.init(self.model.trainable_parameters())
+            clip = float(self.s["grad_clip"])
 
-        grads, metrics = accumulate_grads(micro, len(parts))
-        # Every rank gets the global batch's mean gradients and metrics: clipping sees the global norm.
-        grads, metrics, tokens = self.shard.reduce(grads, metrics, tokens)
-        if self.s["grad_clip"] > 0:
-            grads, grad_norm = optim.clip_grad_norm(grads, self.s["grad_clip"])
-        else:
-            grad_norm = mx.sqrt(sum((g * g).sum() for _, g in tree_flatten(grads)))
-        metrics["grad_norm"] = grad_norm
-        mx.eval(metrics)
-        out = {k: v.item() for k, v in metrics.items()}
-        if not all(math.isfinite(v) for v in out.values()):
-            raise TrainingError(f"non-finite loss or gradient at step {step}: {out}")
-        self.opt.update(self.model, grads)
-        mx.eval(self.model.trainable_parameters(), self.opt.state)
-        out["lr"] = current_lr(self.opt)  # the rate this update used
-        out["tokens"] = tokens
-        return out
+            def update(grads: Any) -> tuple[mx.array, mx.array]:
+                if clip > 0:
+                    grads, grad_norm = optim.clip_grad_norm(grads, clip)
+                else:
+                    grad_norm = mx.sqrt(sum((g * g).sum() for _, g in tree_flatten(grads)))
+                self.opt.update(self.model, grads)
+                return grad_norm, parts[-1].learning_rate  # the rate this update used (the A matrices' under LoRA+)
+
+            state = [self.model.state, *states]
+            self._update = ([id(x) for x in states], mx.compile(update, inputs=state, outputs=state))
+        return self._update[1]
 
     def evaluate(self, pairs: Pairs) -> dict[str, float]:
         """ORPO metrics over a whole split (exact means over rows, batched forwards, no dropout)."""
@@ -109,13 +163,18 @@ class Session:
         by_length = sorted(range(len(pairs)), key=pair_lengths(pairs).__getitem__)
         for i in range(0, len(pairs), bs):
             rows = by_length[i : i + bs]
-            chosen, rejected = pair_logps(self.model, pairs.select(rows), self.s["engine"])
+            chosen, rejected = pair_logps(self.model, pairs.select(rows), self.engine)
             mx.eval(chosen, rejected)
             lw.append(chosen)
             lr.append(rejected)
         _, metrics = orpo_loss(mx.concatenate(lw), mx.concatenate(lr), self.s["lambda"])
         mx.eval(metrics)
         return {k: round(v.item(), 6) for k, v in metrics.items()}
+
+
+def _optimizers(opt: optim.Optimizer) -> list[optim.Optimizer]:
+    """The optimizers holding state: LoRA+'s two, or the one."""
+    return list(opt.optimizers) if isinstance(opt, optim.MultiOptimizer) else [opt]
 
 
 def build_session(base_dir: str | Path, rendered_dir: str | Path, settings: dict[str, Any]) -> Session:
@@ -133,7 +192,8 @@ def build_session(base_dir: str | Path, rendered_dir: str | Path, settings: dict
     adapter_config["orpo_train"] = s
     train = load_pairs(Path(rendered_dir) / "train.parquet")
     # Grouping by length saves padding but makes batches homogeneous; on the embedded data it slowed
-    # learning more than it sped up steps (docs/embedded-default.md), so it is opt-in.
+    # learning more than it sped up steps (docs/embedded-default.md), so it is opt-in. Within a step the
+    # micro-batches are cut by length whatever this says (Session.micro_batches).
     window = 32 if s["group_by_length"] else 1
     rows_per_step = s["batch_size"] * s["grad_accum"] * shard.size  # the global batch, cut per rank in micro_batches
     schedule = batch_schedule(pair_lengths(train), rows_per_step, s["epochs"], s["seed"], s["max_steps"], window)

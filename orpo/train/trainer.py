@@ -11,12 +11,13 @@ from typing import Any
 
 import mlx.core as mx
 
-from orpo.engine.objective import resolve_engine
+from orpo.engine.objective import is_plain
 from orpo.io import atomic_path, sha256_file, write_json
 from orpo.train.checkpoint import (kept_steps, load_checkpoint, prune_checkpoints, read_index, resolve_step,
                                    save_checkpoint, step_dir)
 from orpo.train.data import load_pairs
 from orpo.train.lora import save_adapter
+from orpo.train.memory import cache_policy
 from orpo.train.progress import Progress
 from orpo.train.session import DEFAULTS, Session, TrainingError, build_session, resolve_settings
 
@@ -42,7 +43,7 @@ def train(base_dir: str | Path, rendered_dir: str | Path, out_dir: str | Path, s
     sess = build_session(base_dir, rendered_dir, settings)
     s = sess.s
     # The engine as decided on this machine ("auto" settings depend on the device): same loss either way.
-    record = {"settings": s, "engine_resolved": resolve_engine(s["engine"]), "base": str(base_dir),
+    record = {"settings": s, "engine_resolved": sess.engine, "base": str(base_dir),
               "rendered": str(rendered_dir), "total_steps": sess.total_steps, "init_adapter": sess.init_adapter}
     start, resumed = _prepare_workdir(work, record, sess) if sess.shard.is_main else (0, False)
     if sess.shard.size > 1:
@@ -59,14 +60,21 @@ def train(base_dir: str | Path, rendered_dir: str | Path, out_dir: str | Path, s
         progress.event({"step": 0, "validation": index["baseline"]})
 
     ckpt_steps = set(_checkpoint_steps(s, sess.total_steps))
-    t0, tokens = time.time(), 0
-    with open(work / "metrics.jsonl", "a", encoding="utf-8") as metrics_file:
+    with cache_policy(sess.engine["cache_limit_gb"]) as cache, \
+            open(work / "metrics.jsonl", "a", encoding="utf-8") as metrics_file:
+        cache.start()
+        rate = Throughput()
+        batches = sess.prepare(start + 1) if start < sess.total_steps else []
         for step in range(start + 1, sess.total_steps + 1):
-            m = sess.step(step)
-            tokens += m["tokens"]
-            m = {"step": step, "split": "train", **{k: round(v, 6) for k, v in m.items()},
-                 "tokens_per_s": round(tokens / (time.time() - t0), 1),
+            started = sess.run(step, batches)
+            # The host builds the next step's rows while the device runs this one; then it waits for the step.
+            batches = sess.prepare(step + 1) if step < sess.total_steps else []
+            m = started.read()
+            cache.update(step)
+            m = {"step": step, "split": "train", **{k: round(v, 6) for k, v in m.items()}, **rate.add(m),
+                 "shapes": len(sess.signatures),
                  "active_memory_mb": round(mx.get_active_memory() / 2**20, 3),
+                 "cache_memory_mb": round(mx.get_cache_memory() / 2**20, 3),
                  "peak_memory_mb": round(mx.get_peak_memory() / 2**20, 3)}
             metrics_file.write(json.dumps(m) + "\n")
             progress.step(m)
@@ -80,6 +88,8 @@ def train(base_dir: str | Path, rendered_dir: str | Path, out_dir: str | Path, s
                                       {"epoch_of_step": _epoch_of(sess, step), "seed": s["seed"]})
                 index["checkpoints"][str(step)] = {"sha256": sha, "validation": v}
                 _update_best(index)
+                index["run"] = {**rate.summary(), "shapes": len(sess.signatures),
+                                "traces": len(sess.signatures) if _compiles(sess) else 0, "memory": cache.record()}
                 write_json(work / "index.json", index)
                 # Prune only after index.json holds the new hash: a crash here leaves extra folders, never a gap.
                 prune_checkpoints(work, index, s["keep_last"])
@@ -96,6 +106,38 @@ def train(base_dir: str | Path, rendered_dir: str | Path, out_dir: str | Path, s
     work.rename(out_dir)
     sess.shard.barrier()  # every rank returns only once the run folder is complete
     return index
+
+
+def _compiles(sess: Session) -> bool:
+    """Whether the engine's step runs under mx.compile (the trainer's original path never does)."""
+    return bool(sess.engine["compile"]) and not is_plain(sess.engine)
+
+
+class Throughput:
+    """Tokens per second since the loop started, by each count a step reports, and the padding fraction."""
+
+    COUNTS = ("tokens", "row_tokens", "two_forward_tokens", "positions")
+
+    def __init__(self) -> None:
+        self.t0 = time.time()
+        self.totals = dict.fromkeys(self.COUNTS, 0)
+
+    def add(self, m: dict[str, float]) -> dict[str, float]:
+        """This step's counts added; the rates since the start and the step's padding fraction."""
+        for k in self.COUNTS:
+            self.totals[k] += int(m[k])
+        elapsed = max(time.time() - self.t0, 1e-9)
+        return {"elapsed_s": round(elapsed, 3), "tokens_per_s": round(self.totals["tokens"] / elapsed, 1),
+                "row_tokens_per_s": round(self.totals["row_tokens"] / elapsed, 1),
+                "two_forward_tokens_per_s": round(self.totals["two_forward_tokens"] / elapsed, 1),
+                "padding": round(1 - m["row_tokens"] / max(m["positions"], 1), 4)}
+
+    def summary(self) -> dict[str, float]:
+        """The whole loop's rates and padding (what index.json keeps)."""
+        elapsed = max(time.time() - self.t0, 1e-9)
+        t = self.totals
+        return {"seconds": round(elapsed, 2), **{f"{k}_per_s": round(t[k] / elapsed, 1) for k in self.COUNTS[:3]},
+                "padding": round(1 - t["row_tokens"] / max(t["positions"], 1), 4)}
 
 
 def _follow(sess: Session, work: Path, start: int) -> None:

@@ -1,0 +1,76 @@
+"""MLX's buffer cache, bounded by the run: freed buffers are kept for reuse only up to what fits beside the peak.
+
+Why: MLX reuses a cached buffer only for a request of about its own size, and on a GPU it caches up to its
+memory limit by default (CUDA: 95% of the device). With variable-length batches every new padded shape
+leaves buffers of new sizes in the cache; measured on an H200 with real-length pairs, the cache grew until
+`cudaMallocAsync` failed at step ~30 with 2.5 GB active (bench/README.md). `auto` caps the cache at one
+step's working set (peak minus what was resident before the first step: enough to reuse every buffer of a
+repeated shape) and at what is left beside the peak under the memory limit, raised as the peak grows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import mlx.core as mx
+
+GB = 1e9
+
+
+@dataclass
+class CachePolicy:
+    """The cache limit a run sets: `setting` "auto" (derived, see the module) or a number of GB (0 = no cache)."""
+
+    setting: str | float
+    resident: int = 0  # active bytes before the first step: weights, adapters, optimizer state
+    peak_seen: int = 0
+    limit: int | None = None
+    changes: list[dict[str, float]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.setting != "auto":
+            gb = float(self.setting)
+            if gb < 0:
+                raise ValueError(f"train.engine.cache_limit_gb: must be auto or >= 0 (got {self.setting})")
+            self._set(int(gb * GB), 0)
+
+    def start(self) -> None:
+        """Note what is resident before the first step."""
+        self.resident = mx.get_active_memory()
+
+    def update(self, step: int) -> None:
+        """After a step: with auto, a new peak raises (or, near the memory limit, lowers) the cache limit."""
+        if self.setting != "auto":
+            return
+        peak = mx.get_peak_memory()
+        if peak <= self.peak_seen:
+            return
+        self.peak_seen = peak
+        self._set(max(0, min(mx.get_memory_limit() - peak, peak - self.resident)), step)
+
+    def _set(self, limit: int, step: int) -> None:
+        if limit != self.limit:
+            mx.set_cache_limit(limit)
+            self.limit = limit
+            self.changes.append({"step": step, "cache_limit_gb": round(limit / GB, 4)})
+
+    def record(self) -> dict[str, Any]:
+        """What the run's index.json keeps: the setting, the limit it ended at and when it changed."""
+        return {"cache_limit": self.setting, "cache_limit_gb": round((self.limit or 0) / GB, 4),
+                "memory_limit_gb": round(mx.get_memory_limit() / GB, 3), "peak_gb": round(mx.get_peak_memory() / GB, 4),
+                "resident_gb": round(self.resident / GB, 4), "cache_limit_changes": self.changes[-20:]}
+
+
+@contextmanager
+def cache_policy(setting: str | float) -> Iterator[CachePolicy]:
+    """While inside, the run's CachePolicy holds MLX's cache limit; the previous limit comes back after."""
+    previous = mx.set_cache_limit(mx.get_memory_limit())  # read it (MLX has no getter) and restore it below
+    mx.set_cache_limit(previous)
+    policy = CachePolicy(setting)
+    try:
+        yield policy
+    finally:
+        mx.set_cache_limit(previous)

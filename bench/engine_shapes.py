@@ -76,7 +76,7 @@ class Case:
 
 @dataclass(frozen=True)
 class Check:
-    """A target from the issue: metric(numerator) / metric(denominator) compared with a bound."""
+    """A target: metric(numerator) / metric(denominator) compared with a bound."""
 
     label: str
     metric: str  # a key of a case's result: tokens_per_s, peak_gb, extra_gb
@@ -97,9 +97,12 @@ class Suite:
     warmup: int = 3  # untimed steps first: graph building, compilation, allocator warm-up (--warmup overrides)
 
 
-# Llama-3.2-1B's geometry (the issue's reference shape): ~1.24B parameters, bf16.
+# Llama-3.2-1B's geometry (the reference shape): ~1.24B parameters, bf16.
 LLAMA_1B = Shape(hidden=2048, layers=16, heads=32, kv_heads=8, intermediate=8192, vocab=128256, head_dim=64,
                  tied=True, rope_theta=500000.0, dtype="bfloat16", pairs=4, prompt=512, response=512)
+# Mistral-7B-v0.1's geometry (~7.2B parameters, untied head, 8 KV heads of 128), bf16.
+MISTRAL_7B = Shape(hidden=4096, layers=32, heads=32, kv_heads=8, intermediate=14336, vocab=32000, head_dim=128,
+                   tied=False, rope_theta=10000.0, dtype="bfloat16", pairs=4, prompt=512, response=512)
 # Small enough for a few float32 steps per variant on 2 CPU cores.
 CPU_SMALL = Shape(hidden=256, layers=4, heads=4, kv_heads=2, intermediate=768, vocab=8192, dtype="float32",
                   pairs=4, prompt=128, response=128)
@@ -259,7 +262,7 @@ def _prefix_suite(base: Shape, response: int) -> Suite:
 CPU_SEGMENTS = replace(CPU_SMALL, hidden=128, heads=2, kv_heads=1, intermediate=384, vocab=4096, prompt=64, response=64)
 
 CPU_RUN = {"steps": 3, "warmup": 1}
-# The issue's headline target, against bench/peer_liger.py's results (bench/engine.py --peer PEER.json).
+# The headline target, against bench/peer_liger.py's results (bench/engine.py --peer PEER.json).
 PEER_CHECKS = [Check(f"{v} vs torch+Liger tokens/s", "tokens_per_s", v, "peer:liger", ">=", 1.3)
                for v in ("fused-128", "fused-prefix-128", "lean-128", "fused-128-compiled", "lean-128-compiled",
                          "all-lean-compiled", "all-lean-compiled-limited", "all-lean-mlp4-c-overlap",
@@ -274,7 +277,7 @@ SUITES: dict[str, Suite] = {
     "cpu-head": replace(_head_suite(CPU_SMALL, 4000, 32000, 1024, 256), **CPU_RUN),
     "cpu-segments": replace(_segment_suite(CPU_SEGMENTS, 2, 8, 2), **CPU_RUN),
     "cpu-prefix": replace(_prefix_suite(CPU_SMALL, 64), **CPU_RUN),
-    # The issue's reference shape and targets (the lent H200).
+    # The reference shape and its targets (the lent H200).
     "h200": Suite(_main_cases(LLAMA_1B, 4, 5.0, (3.0, 3.5, 4.0)), PEER_CHECKS),
     "h200-head": _head_suite(LLAMA_1B, 32000, 256000, 8192, 1024),
     "h200-segments": _segment_suite(LLAMA_1B, 8, 32, 4),

@@ -5,19 +5,28 @@ step shape of that suite): a random-init LlamaForCausalLM from a LlamaConfig (se
 peft LoRA (rank 16, alpha 32, the seven projections, no dropout), the same random token pairs, and per
 step one forward of [chosen; rejected] through the decoder, Liger's LigerFusedLinearORPOLoss on the
 final hidden states and the tied head weight (logits computed per chunk of pairs, never whole), and
-loss.backward(); W warm-up steps (torch.compile of Liger's chunk happens there), then K timed ones.
-Two variants per shape: plain, and with gradient checkpointing (model.gradient_checkpointing_enable,
-non-reentrant). One subprocess per variant. Tokens/s counts 2 * (P + R) per pair; peak memory is
+loss.backward(); W warm-up steps (torch.compile of Liger's chunk and of the decoder happen there), then
+K timed ones. One subprocess per variant. Tokens/s counts 2 * (P + R) per pair; peak memory is
 torch.cuda.max_memory_allocated over the timed steps ("extra": minus what was allocated before them).
 
-On CUDA this is the comparison the issue asks for. On a CPU (no CUDA), it is a plumbing smoke test only:
-memory is the process's max RSS, not an allocator peak, and `--loss torch` swaps Liger for a plain
+The default peer is the strongest configuration found (H200, Llama-3.2-1B shape): LoRA adapters in the
+model's bf16 (peft's autocast_adapter_dtype=False; its default puts them and their inputs in float32),
+the decoder (the LlamaModel) under torch.compile, Liger's loss compiled; `liger` and `liger-ckpt` (with
+gradient checkpointing, non-reentrant) per shape. It measured 71.9k tokens/s there (bench/README.md),
+against 56.1k with the decoder eager and 37.9k with peft's default float32 adapters, eager; those stay measurable with
+`--variants` (`liger-bf16-eager`, `liger-fp32-eager`, each with a `-ckpt` twin). Each row's path
+(adapter dtype/comp or eager decoder/liger-c or liger/ckpt) and the JSON say how the peer ran.
+
+On CUDA this is the comparison bench/README.md reports. On a CPU (no CUDA), it is a plumbing smoke test only:
+memory is the process's max RSS, not an allocator peak, the decoder runs eager unless `--compile-decoder
+yes` (as Liger's loss unless `--compiled yes`), and `--loss torch` swaps Liger for a plain
 full-logits ORPO loss written from the paper (Hong et al. 2024), labelled as such (Liger's chunked
 loss is plain torch and runs on CPU too; `--check` proves both losses agree on one batch).
 Needs torch, transformers, peft and liger-kernel (not in the project's venv; see bench/gpu_wheels.md).
 
     python bench/peer_liger.py --shape h200 --json $OUT/peer.json          # on the GPU
     /tmp/peervenv/bin/python bench/peer_liger.py --shape cpu-small --check  # CPU smoke
+    python bench/peer_liger.py --shape h200 --variants all                 # the weaker configurations too
 """
 
 from __future__ import annotations
@@ -51,8 +60,23 @@ LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 GB = 1e9
 
 
+# The peer's configurations, by the part of the variant's name after the loss: Case.engine options.
+# adapter_dtype: "model" keeps the LoRA adapters in the model's dtype (peft's autocast_adapter_dtype=False),
+# "fp32" is peft's default (adapters of a bf16/fp16 model upcast to float32); compile_decoder: torch.compile
+# of the LlamaModel (where --compile-decoder allows it). The names say bf16: the GPU shapes' dtype.
+CONFIGS = {
+    "": {"adapter_dtype": "model", "compile_decoder": True},  # the strongest found: the default
+    "-bf16-eager": {"adapter_dtype": "model", "compile_decoder": False},
+    "-fp32-eager": {"adapter_dtype": "fp32", "compile_decoder": False},
+}
+
+
 def peer_cases(suite_name: str, loss: str) -> list[Case]:
-    """Per step shape of the suite: the plain variant and the gradient-checkpointing one (baseline: plain)."""
+    """Per step shape of the suite, each configuration without and with gradient checkpointing.
+
+    Every variant's ratios are taken against the default configuration without checkpointing (`liger`)
+    of its shape; which of them run by default is `is_default`.
+    """
     shapes = step_shapes(SUITES[suite_name])
     cases = []
     for label, shape in shapes.items():
@@ -60,14 +84,39 @@ def peer_cases(suite_name: str, loss: str) -> list[Case]:
             print(f"peer_liger: skipping {label}: its rows differ in length, and the peer's batch is unpadded")
             continue
         suffix = f"-{label}" if len(shapes) > 1 else ""
-        plain = f"{loss}{suffix}"
-        cases.append(Case(plain, shape, engine={"checkpointing": False}, baseline=plain))
-        cases.append(Case(f"{loss}-ckpt{suffix}", shape, engine={"checkpointing": True}, baseline=plain))
+        best = f"{loss}{suffix}"
+        for config, opts in CONFIGS.items():
+            for ckpt in (False, True):
+                name = f"{loss}{config}{'-ckpt' if ckpt else ''}{suffix}"
+                cases.append(Case(name, shape, engine={**opts, "checkpointing": ckpt}, baseline=best))
     return cases
 
 
-def build_model(shape: Shape, seed: int, device: str, checkpointing: bool) -> Any:
-    """Random-init LlamaForCausalLM (seeded, shape's dtype) with peft LoRA; gradient checkpointing if asked."""
+def is_default(case: Case) -> bool:
+    """Whether the variant is of the default configuration (what runs without --variants)."""
+    return {k: v for k, v in case.engine.items() if k != "checkpointing"} == CONFIGS[""]
+
+
+def peer_config(case: Case, loss: str, liger_compiled: bool, compile_decoder: str, cuda: bool) -> dict[str, Any]:
+    """How the variant runs: its Case.engine options resolved against --compiled and --compile-decoder.
+
+    compile_decoder "auto": the variant's compile_decoder where CUDA is available, never on a CPU (smoke
+    runs stay fast); "yes" / "no": for every variant.
+    """
+    opts = case.engine
+    adapters = opts.get("adapter_dtype", "model")
+    compile_it = (bool(opts.get("compile_decoder")) and cuda) if compile_decoder == "auto" else compile_decoder == "yes"
+    return {"model_dtype": case.shape.dtype, "adapter_dtype": adapters, "autocast_adapter_dtype": adapters == "fp32",
+            "compile_decoder": compile_it, "checkpointing": bool(opts["checkpointing"]), "loss": loss,
+            "liger_compiled": loss == "liger" and liger_compiled}
+
+
+def build_model(shape: Shape, seed: int, device: str, checkpointing: bool, adapter_dtype: str = "model") -> Any:
+    """Random-init LlamaForCausalLM (seeded, shape's dtype) with peft LoRA; gradient checkpointing if asked.
+
+    adapter_dtype "model": the adapters in the model's dtype; "fp32": peft's default autocast, which puts
+    the adapters of a bf16/fp16 model (and so their inputs) in float32.
+    """
     import torch
     from peft import LoraConfig, get_peft_model
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -80,7 +129,7 @@ def build_model(shape: Shape, seed: int, device: str, checkpointing: bool) -> An
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     lora = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=LORA_TARGETS, bias="none",
                       task_type="CAUSAL_LM")
-    model = get_peft_model(model, lora)
+    model = get_peft_model(model, lora, autocast_adapter_dtype=adapter_dtype == "fp32")
     model.train()
     return model
 
@@ -125,10 +174,13 @@ def loss_function(kind: str, compiled: bool) -> Any:
     return lambda w, h, t: liger(w, h, t)[0]
 
 
-def step_loss(model: Any, tokens: Any, targets: Any, loss_fn: Any) -> Any:
-    """One forward of the decoder and the ORPO loss on its final hidden states (shifted to predict the next token)."""
+def step_loss(model: Any, tokens: Any, targets: Any, loss_fn: Any, decoder: Any = None) -> Any:
+    """One forward of the decoder and the ORPO loss on its final hidden states (shifted to predict the next token).
+
+    `decoder`: what to call for the LlamaModel (its torch.compile'd wrapper); the model's own by default.
+    """
     base = model.get_base_model()
-    hidden = base.model(input_ids=tokens, use_cache=False).last_hidden_state
+    hidden = (base.model if decoder is None else decoder)(input_ids=tokens, use_cache=False).last_hidden_state
     return loss_fn(base.lm_head.weight, hidden[:, :-1], targets)
 
 
@@ -138,21 +190,39 @@ def _rss_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def run_case(case: Case, steps: int, warmup: int, seed: int, loss: str, compiled: bool) -> dict[str, Any]:
-    """Time one variant in this process: warm-up, then `steps` forward+backward steps."""
+def describe(config: dict[str, Any]) -> str:
+    """The table's path column: adapter dtype, decoder compiled or eager, the loss (-c: compiled), checkpointing.
+
+    At most 22 characters, so bench/engine.py's 'torch PATH' keeps the first three parts.
+    """
+    dtype = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}.get(config["lora_param_dtype"], "mixed")
+    loss_part = ("liger-c" if config["liger_compiled"] else "liger") if config["loss"] == "liger" else "smoke"
+    parts = [dtype, "comp" if config["compile_decoder"] else "eager", loss_part]
+    return "/".join(parts + (["ckpt"] if config["checkpointing"] else []))
+
+
+def run_case(case: Case, steps: int, warmup: int, seed: int, loss: str, compiled: bool,
+             compile_decoder: str) -> dict[str, Any]:
+    """Time one variant in this process: warm-up (compilation included), then `steps` forward+backward steps."""
     import resource
 
     import torch
 
     cuda = torch.cuda.is_available()
     device = "cuda" if cuda else "cpu"
-    model = build_model(case.shape, seed, device, bool(case.engine["checkpointing"]))
+    config = peer_config(case, loss, compiled, compile_decoder, cuda)
+    model = build_model(case.shape, seed, device, config["checkpointing"], config["adapter_dtype"])
+    base = model.get_base_model()
+    # torch.compile is lazy: the decoder compiles in the first warm-up step, as Liger's chunk does.
+    decoder = torch.compile(base.model) if config["compile_decoder"] else base.model
+    lora_dtypes = sorted({str(p.dtype).removeprefix("torch.") for n, p in model.named_parameters() if "lora_" in n})
+    config["lora_param_dtype"] = "/".join(lora_dtypes)  # what peft actually made
     tokens, targets = batch(case.shape, seed, device)
     loss_fn = loss_function(loss, compiled)
 
     def step() -> float:
         model.zero_grad(set_to_none=True)
-        value = step_loss(model, tokens, targets, loss_fn)
+        value = step_loss(model, tokens, targets, loss_fn, decoder)
         value.backward()
         return value
 
@@ -171,10 +241,9 @@ def run_case(case: Case, steps: int, warmup: int, seed: int, loss: str, compiled
         torch.cuda.synchronize()
     secs = (time.perf_counter() - t0) / steps
     peak = torch.cuda.max_memory_allocated() if cuda else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    path = ("liger" + (" compiled" if compiled else "") if loss == "liger" else "torch smoke") + \
-        ("" if cuda else ", RSS")
     return {"step_s": secs, "tokens_per_s": case.shape.two_forward_tokens() / secs, "peak_gb": peak / GB,
-            "extra_gb": (peak - resident) / GB, "resident_gb": resident / GB, "loss": float(value.item()), "path": path}
+            "extra_gb": (peak - resident) / GB, "resident_gb": resident / GB, "loss": float(value.item()),
+            "path": describe(config), "config": config, "memory": "cuda allocator" if cuda else "max RSS"}
 
 
 def run_subprocess(suite: str, opts: dict[str, Any], steps: int, warmup: int, seed: int, timeout: int) -> dict[str, Any]:
@@ -239,7 +308,8 @@ def main() -> None:
     """Run the peer variants of a suite's shapes, print the table, optionally write --json."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shape", default="cpu-small", choices=sorted(n for n, s in SUITES.items() if s.peer))
-    ap.add_argument("--variants", help="comma-separated variant names (default: all)")
+    ap.add_argument("--variants", help="comma-separated variant names, or 'all' (default: the best configuration's, "
+                                       "without and with checkpointing)")
     ap.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="override the shape's dtype")
     ap.add_argument("--steps", type=int, help="timed steps per variant (default: the suite's)")
     ap.add_argument("--warmup", type=int, help="untimed steps first (default: the suite's)")
@@ -248,6 +318,8 @@ def main() -> None:
                     help="liger: LigerFusedLinearORPOLoss; torch: the plain full-logits smoke loss")
     ap.add_argument("--compiled", choices=["auto", "yes", "no"], default="auto",
                     help="Liger's torch.compile of its chunk (auto: on CUDA only, as a user would run it)")
+    ap.add_argument("--compile-decoder", choices=["auto", "yes", "no"], default="auto",
+                    help="torch.compile of the decoder (auto: as each variant says, on CUDA only; yes/no: every variant)")
     ap.add_argument("--check", action="store_true", help="first check Liger's loss and gradients against the plain loss")
     ap.add_argument("--timeout", type=int, default=300, help="seconds per variant before it is reported as failed")
     ap.add_argument("--json", help="write the machine-readable results here")
@@ -259,7 +331,7 @@ def main() -> None:
     if a.child:
         opts = json.loads(a.child)
         print(json.dumps(run_case(Case.from_json(opts["case"]), a.steps, a.warmup, a.seed, opts["loss"],
-                                  opts["compiled"])), flush=True)
+                                  opts["compiled"], opts["compile_decoder"])), flush=True)
         return
     try:
         env = environment()
@@ -285,12 +357,18 @@ def main() -> None:
     cases = peer_cases(a.shape, a.loss)
     if a.dtype:
         cases = [replace(c, shape=replace(c.shape, dtype=a.dtype)) for c in cases]
-    if a.variants:
+    if a.variants and a.variants.strip() != "all":
         wanted = {v.strip() for v in a.variants.split(",") if v.strip()}
         unknown = sorted(wanted - {c.name for c in cases})
         if unknown:
             sys.exit(f"--variants: {unknown} not among {', '.join(c.name for c in cases)}")
         cases = [c for c in cases if c.name in wanted]
+    elif not a.variants:
+        cases = [c for c in cases if is_default(c)]
+    decoder_note = {"auto": "compiled where the variant says so" + ("" if env["cuda_available"] else
+                                                                     " and CUDA is available: eager on this CPU"),
+                    "yes": "compiled in every variant", "no": "eager in every variant"}[a.compile_decoder]
+    print(f"decoder: {decoder_note}; Liger's loss: {'compiled' if compiled else 'eager'}", flush=True)
     t0 = time.time()
 
     def save(records: list[dict[str, Any]], complete: bool) -> None:
@@ -299,6 +377,7 @@ def main() -> None:
             from orpo.io import write_json  # stdlib only: fine in the torch environment
 
             write_json(a.json, {"bench": "peer_liger", "suite": a.shape, "loss": a.loss, "compiled": compiled,
+                                "compile_decoder": a.compile_decoder,
                                 "steps": a.steps, "warmup": a.warmup, "seed": a.seed, "lambda": LAMBDA,
                                 "lora": {"rank": 16, "alpha": 32, "dropout": 0.0, "target_modules": LORA_TARGETS},
                                 "environment": env, "check": check, "cases": records, "complete": complete,
@@ -306,17 +385,20 @@ def main() -> None:
 
     rows, records = [], []
     for case in cases:
-        opts = {"case": case.to_json(), "loss": a.loss, "compiled": compiled}
+        opts = {"case": case.to_json(), "loss": a.loss, "compiled": compiled, "compile_decoder": a.compile_decoder}
         result = run_subprocess(a.shape, opts, a.steps, a.warmup, a.seed, a.timeout)
         note = f"failed: {result['failed']}" if "failed" in result else None
         print(f"  {case.name}: " + (note or f"{result['tokens_per_s']:.0f} tokens/s, peak {result['peak_gb']:.3f} GB"),
               flush=True)
         rows.append({"name": case.name, "baseline": case.baseline, "note": note, **result})
-        records.append({**case.to_json(), "result": result})
+        # "peer": how the variant was set to run (a failed one too); result["config"] adds the LoRA dtype peft made.
+        records.append({**case.to_json(), "peer": peer_config(case, a.loss, compiled, a.compile_decoder,
+                                                              env["cuda_available"]), "result": result})
         save(records, complete=False)  # a run cut short still leaves the variants it finished
     print()
     print(format_table(rows, f"peer (torch + transformers + peft LoRA + {a.loss}), suite {a.shape} "
-                             f"({time.time() - t0:.0f} s), ratios to the same shape without checkpointing"))
+                             f"({time.time() - t0:.0f} s), ratios to the default configuration of the same shape "
+                             "without checkpointing" + ("" if env["cuda_available"] else "; memory: max RSS")))
     save(records, complete=True)
     if a.json:
         print(f"wrote {a.json}")

@@ -242,3 +242,25 @@ def test_unsupported_model_is_refused_with_its_type():
 
     with pytest.raises(UnsupportedModel, match="Other.*supported: llama"):
         Stack(Other())
+
+
+def test_tight_rows_only_where_the_exclusion_dims_keep_attention_fused(monkeypatch):
+    """On CUDA, MLX's fused attention takes head dims up to 128: the exclusion's 8 extra dims fit a head dim
+    of 64, not of 128. Where they do not fit, auto rows of pairs of their own lengths are the plain
+    two-forward rows (nothing shared) and an explicit exclusion is refused with the reason."""
+    import orpo.engine.objective as objective
+    from orpo.engine.attention import exclusion_fits
+    assert exclusion_fits(64, cuda=True) and exclusion_fits(120, cuda=True) and not exclusion_fits(128, cuda=True)
+    assert exclusion_fits(128, cuda=False) and exclusion_fits(256, cuda=False)
+    varied = random_pairs(6, 4)
+    plain = shared_rows(varied, tight=False)
+    assert plain.layout.plain and plain.layout.tokens.shape[0] == 2 * len(varied)
+    assert np.array_equal(np.array(plain.targets), np.array(plain_rows(varied).targets))
+    assert not shared_rows(varied).layout.plain  # tight rows where they fit
+    wide = tiny_model("llama", head_dim=128)
+    monkeypatch.setattr(objective, "on_cuda", lambda: True)  # the decision as a CUDA machine takes it
+    assert not objective.tight_rows_fit(wide) and objective.tight_rows_fit(tiny_model("llama"))
+    e = objective.resolve_engine({"prefix_attention": "exclusion"})
+    with pytest.raises(ValueError, match="exclusion widens this model's head dim \\(128\\)"):
+        objective.check_attention(wide, e)
+    objective.check_attention(wide, {**e, "prefix_attention": "auto"})

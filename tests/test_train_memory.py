@@ -94,17 +94,21 @@ def test_peak_memory_is_flat_in_the_number_of_micro_batches(tiny_base, tiny_rend
         assert p_naive > 1.3 * p1, (p1, p_naive)
 
 
+def llama_folder(tiny_base: Path, out: Path, **geometry) -> Path:
+    """A random-init llama of `geometry` (seeded) saved as a model folder with the tiny tokenizer."""
+    config = {"model_type": "llama", "rms_norm_eps": 1e-5, "tie_word_embeddings": True, **geometry}
+    mx.random.seed(0)
+    model = llama.Model(llama.ModelArgs.from_dict(config))
+    mx.eval(model.parameters())
+    return save_model_folder(model, config, tiny_base, out)
+
+
 @pytest.fixture(scope="module")
 def micro_llama(tiny_base, tiny_rendered, tmp_path_factory) -> tuple[Path, Path]:
     """A one-block llama and the shortest 16 train / 4 validation pairs: hundreds of steps in seconds."""
     root = tmp_path_factory.mktemp("micro")
-    config = {"model_type": "llama", "hidden_size": 32, "num_hidden_layers": 1, "intermediate_size": 64,
-              "num_attention_heads": 2, "num_key_value_heads": 1, "rms_norm_eps": 1e-5, "vocab_size": 512,
-              "tie_word_embeddings": True}
-    mx.random.seed(0)
-    model = llama.Model(llama.ModelArgs.from_dict(config))
-    mx.eval(model.parameters())
-    save_model_folder(model, config, tiny_base, root / "base")
+    llama_folder(tiny_base, root / "base", hidden_size=32, num_hidden_layers=1, intermediate_size=64,
+                 num_attention_heads=2, num_key_value_heads=1, vocab_size=512)
     shortest_pairs(tiny_rendered, root / "rendered")
     return root / "base", root / "rendered"
 
@@ -121,3 +125,51 @@ def test_active_memory_does_not_drift(micro_llama, tmp_path):
     first, last = active[:50].mean(), active[-50:].mean()
     # One step's LoRA gradients kept per step would add 8 KB a step here (2,048 LoRA floats), ~2 MB over the run.
     assert last - first < max(0.016, 0.01 * first), (first, last)
+
+
+def _variable_pairs(out: Path, n: int, seed: int) -> Path:
+    """Rendered pairs (the render stage's columns) of random ids with prompt 4-60 and responses 4-90 tokens."""
+    import polars as pl
+
+    rng = np.random.default_rng(seed)
+    out.mkdir(parents=True)
+    for split, count in (("train", n), ("validation", 4)):
+        p, c, r = ([rng.integers(3, 512, int(rng.integers(lo, hi))).tolist() for _ in range(count)]
+                   for lo, hi in ((4, 60), (4, 90), (4, 90)))
+        pl.DataFrame({"id": [f"{split}{i}" for i in range(count)], "prompt_ids": p, "chosen_ids": c,
+                      "rejected_ids": r, "chosen_mask": [[1] * len(x) for x in c],
+                      "rejected_mask": [[1] * len(x) for x in r]}).write_parquet(out / f"{split}.parquet")
+    return out
+
+
+@pytest.fixture(scope="module")
+def wide_llama(tiny_base, tmp_path_factory) -> Path:
+    """A two-block llama wide enough that batches of other lengths need buffers of other sizes."""
+    return llama_folder(tiny_base, tmp_path_factory.mktemp("wide") / "base", hidden_size=128, num_hidden_layers=2,
+                        intermediate_size=256, num_attention_heads=4, num_key_value_heads=2, vocab_size=4096)
+
+
+def test_cache_stays_bounded_over_variable_length_steps(wide_llama, tmp_path):
+    """300 steps of pairs of their own lengths: with the cache policy (auto: at most two steps' working sets
+    cached) active + cache memory stays under the peak plus that; without it (the cache limit at
+    MLX's memory limit, MLX's own default on CUDA and Metal) the cache outgrows that. The padded shapes
+    stay few: at most the ladder's rungs, far fewer than the steps."""
+    from orpo.batching import ladder
+    rendered = _variable_pairs(tmp_path / "rendered", 600, 0)
+    settings = {"batch_size": 2, "epochs": 1, "checkpoint_every": 0, "log_every": 1000, "lora": LORA}
+    held, record = {}, {}
+    for name, limit in (("auto", "auto"), ("unbounded", mx.get_memory_limit() / 1e9)):
+        train(wide_llama, rendered, tmp_path / name, {**settings, "engine": {"cache_limit_gb": limit}})
+        lines = [json.loads(x) for x in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+        lines = [x for x in lines if x["split"] == "train"]
+        assert len(lines) == 300
+        held[name] = max(x["active_memory_mb"] + x["cache_memory_mb"] for x in lines) * 2**20
+        record[name] = json.loads((tmp_path / name / "index.json").read_text())["run"]
+    memory = record["auto"]["memory"]
+    peak, working = memory["peak_gb"] * 1e9, (memory["peak_gb"] - memory["resident_gb"]) * 1e9
+    assert memory["cache_limit"] == "auto" and 0 < memory["cache_limit_gb"] * 1e9 <= 2 * working + 2e3  # rounding
+    assert held["auto"] <= peak + 2 * working, (held, memory)
+    assert held["unbounded"] > 1.5 * (peak + 2 * working), (held, memory)
+    # Rows of at most 2 x (60 + 90 + 90) tokens: widths and target counts each take a few ladder rungs.
+    rungs = len({ladder(n, 16) for n in range(1, 240)}) * len({ladder(n, 16, 4) for n in range(1, 2 * 180)})
+    assert record["auto"]["shapes"] <= min(rungs, 300 // 4), record

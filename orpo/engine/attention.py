@@ -233,6 +233,15 @@ def _causal_sdpa(original: Callable, block: int) -> Callable:
 # below any real score, so exp() of it is exactly 0 in float32; 128 is exact in bf16 and fp16.
 EXCLUSION_DIMS = 8
 EXCLUSION_SCALE = 128.0
+# MLX 0.32's CUDA attention runs cuDNN only for head dims up to 128 (supports_sdpa_cudnn); wider falls back
+# to the unfused attention, which keeps [B, H, L, L] scores (a Mistral-7B step on real-length rows ran out
+# of the H200's memory that way).
+CUDNN_MAX_HEAD_DIM = 128
+
+
+def exclusion_fits(head_dim: int, cuda: bool) -> bool:
+    """Whether a head dim widened by the exclusion dims still runs MLX's fused attention (always off CUDA)."""
+    return not cuda or head_dim + EXCLUSION_DIMS <= CUDNN_MAX_HEAD_DIM
 
 
 @dataclass(frozen=True, eq=False)

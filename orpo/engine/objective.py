@@ -16,11 +16,12 @@ import mlx.nn as nn
 
 from orpo.config import section_defaults
 from orpo.device import on_cuda
+from orpo.engine.attention import CUDNN_MAX_HEAD_DIM, exclusion_fits
 from orpo.engine.compiled import kept, layout_arrays, layout_from
 from orpo.engine.head import LMHead, fused_logp, fused_logp_eager, head_logits, lm_head_of
 from orpo.engine.prefix import PackedPairs, plain_rows, shared_rows
 from orpo.engine.segmented import segmented_value_and_grad
-from orpo.engine.stack import PACKED_ATTENTION, Stack
+from orpo.engine.stack import PACKED_ATTENTION, Stack, head_dim_of
 from orpo.train.data import Pairs, pair_batch
 from orpo.train.head import response_mean_logps
 from orpo.train.loss import orpo_loss
@@ -111,10 +112,25 @@ def naive_pair_loss(model: nn.Module, tokens: mx.array, mask: mx.array, n: int, 
     return orpo_loss(logps[:n], logps[n:], lam)
 
 
-def pack(pairs: Pairs, engine: dict[str, Any]) -> PackedPairs:
-    """The forward rows of `pairs`: one shared-prefix row per pair, or the plain [chosen; rejected] rows."""
+def tight_rows_fit(model: nn.Module) -> bool:
+    """Whether prefix rows of pairs of their own lengths may be tight here (exclusion dims at full speed)."""
+    return exclusion_fits(head_dim_of(model), on_cuda())
+
+
+def check_attention(model: nn.Module, engine: dict[str, Any]) -> None:
+    """Refuse a prefix attention that would run MLX's unfused fallback on this model and device."""
+    if engine["prefix_sharing"] and engine["prefix_attention"] == "exclusion" and not tight_rows_fit(model):
+        raise ValueError(f"train.engine.prefix_attention: exclusion widens this model's head dim "
+                         f"({head_dim_of(model)}) past the {CUDNN_MAX_HEAD_DIM} MLX's CUDA attention runs fused "
+                         "(the fallback keeps [B, H, L, L] scores); use auto or split")
+
+
+def pack(pairs: Pairs, engine: dict[str, Any], tight: bool = True) -> PackedPairs:
+    """The forward rows of `pairs`: shared-prefix rows (tight ones only where `tight`), or the plain rows."""
     m = input_multiple(engine)
-    return shared_rows(pairs, m, engine["prefix_attention"]) if engine["prefix_sharing"] else plain_rows(pairs, m)
+    if not engine["prefix_sharing"]:
+        return plain_rows(pairs, m)
+    return shared_rows(pairs, m, engine["prefix_attention"], tight)
 
 
 def scored_rows(hidden: mx.array, packed: PackedPairs) -> mx.array:
@@ -156,8 +172,8 @@ class MicroBatch:
         return self.packed.signature() if self.packed is not None else (tuple(self.plain[0].shape),)
 
 
-def prepare(pairs: Pairs, engine: dict[str, Any] | None) -> MicroBatch:
-    """The forward rows of `pairs` for the engine's settings (host work only)."""
+def prepare(pairs: Pairs, engine: dict[str, Any] | None, tight: bool = True) -> MicroBatch:
+    """The forward rows of `pairs` for the engine's settings (host work only); `tight` as `pack` takes it."""
     e = resolve_engine(engine)
     n = len(pairs)
     scored = sum(map(sum, pairs.chosen_mask + pairs.rejected_mask))
@@ -165,7 +181,7 @@ def prepare(pairs: Pairs, engine: dict[str, Any] | None) -> MicroBatch:
         tokens, mask = pair_batch(pairs, list(range(n)), input_multiple(e))
         full = sum(2 * len(p) + len(c) + len(r) for p, c, r in zip(pairs.prompt, pairs.chosen, pairs.rejected))
         return MicroBatch(n, scored, full, full, int(tokens.size), plain=(tokens, mask))
-    packed = pack(pairs, e)
+    packed = pack(pairs, e, tight)
     return MicroBatch(n, scored, packed.row_tokens, packed.two_forward_tokens, int(packed.layout.tokens.size),
                       packed=packed)
 
@@ -195,7 +211,7 @@ def batch_value_and_grad(model: nn.Module, batch: MicroBatch, lam: float,
 def pair_value_and_grad(model: nn.Module, pairs: Pairs, lam: float,
                         engine: dict[str, Any] | None) -> tuple[tuple[mx.array, dict[str, mx.array]], Any]:
     """`batch_value_and_grad` of `prepare(pairs)`: the rows built and differentiated in one call."""
-    return batch_value_and_grad(model, prepare(pairs, engine), lam, engine)
+    return batch_value_and_grad(model, prepare(pairs, engine, tight_rows_fit(model)), lam, engine)
 
 
 def _segmented(model: nn.Module, packed: PackedPairs, n: int, lam: float,
@@ -257,7 +273,7 @@ def pair_logps(model: nn.Module, pairs: Pairs, engine: dict[str, Any] | None) ->
     if e["head"] == "naive" and not e["prefix_sharing"]:  # segments only change the backward
         logps = response_mean_logps(model, *pair_batch(pairs, list(range(n)), input_multiple(e)))
     else:
-        packed = pack(pairs, e)
+        packed = pack(pairs, e, tight_rows_fit(model))
         stack = stack_of(model, e)
         logps = packed_logps(lm_head_of(model), stack.hidden(packed.layout), packed, e)
     logps = mx.stop_gradient(logps)

@@ -104,7 +104,8 @@ def plain_rows(pairs: Pairs, input_multiple: int | None = None) -> PackedPairs:
                     scored.sum(axis=1).tolist(), input_multiple or 16, real, real, 0)
 
 
-def shared_rows(pairs: Pairs, input_multiple: int | None = None, attention: str = "auto") -> PackedPairs:
+def shared_rows(pairs: Pairs, input_multiple: int | None = None, attention: str = "auto",
+                tight: bool = True) -> PackedPairs:
     """Prefix sharing: one row per pair holding its prompt once, chosen, then rejected blind to chosen.
 
     Aligned rows ([prompt; chosen[:-1]; pad | rejected own; pad], every rejected block at one column, a rung
@@ -113,7 +114,9 @@ def shared_rows(pairs: Pairs, input_multiple: int | None = None, attention: str 
     from rejected like chosen's own tokens. Tight rows ([prompt; chosen[:-1]; rejected own; pad]) hold no
     padding but at the end. `attention` "split" takes aligned rows, "exclusion" and "mask" tight ones, and
     "auto" aligned rows where they are no wider than tight ones and every pair has one prompt length (one
-    rejected attention, one trace), else tight rows. Pads are never scored. The layout holds per-token
+    rejected attention, one trace), else tight rows, or, where `tight` says they cannot be attended with
+    the exclusion dims at full speed (orpo.engine.attention.exclusion_fits), the plain two-forward rows.
+    Pads are never scored. The layout holds per-token
     vectors only (positions, which tokens are rejected's, which keys rejected may not see) and, aligned,
     the SplitRows structure; an [L, L] visibility is built on the device only where a layer needs it.
     """
@@ -138,6 +141,8 @@ def shared_rows(pairs: Pairs, input_multiple: int | None = None, attention: str 
     tight_width = ladder(max(lengths), multiple)
     aligned_width = ladder(max(map(len, heads)), multiple) + ladder(max(map(len, tails)), multiple)
     aligned = attention == "split" or (attention == "auto" and len(set(shared)) == 1 and aligned_width <= tight_width)
+    if not aligned and attention == "auto" and not tight:
+        return plain_rows(pairs, input_multiple)
     if aligned:
         head_block = pad_rows(heads, 0, multiple)
         tokens = np.concatenate([head_block, pad_rows(tails, 0, multiple)], axis=1)

@@ -29,6 +29,12 @@ from orpo.engine.attention import DEFAULT_BLOCK, SplitRows, causal_blockwise_in,
 SUPPORTED = ("llama", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text")
 
 
+def head_dim_of(model: nn.Module) -> int:
+    """The attention head dim of an mlx-lm model (its config's, or hidden size / heads)."""
+    args = model.args
+    return int(getattr(args, "head_dim", None) or args.hidden_size // args.num_attention_heads)
+
+
 class UnsupportedModel(ValueError):
     """The model's family has no stack description here."""
 

@@ -2,10 +2,10 @@
 
 Why: MLX reuses a cached buffer only for a request of about its own size, and on a GPU it caches up to its
 memory limit by default (CUDA: 95% of the device). With variable-length batches every new padded shape
-leaves buffers of new sizes in the cache; measured on an H200 with real-length pairs, the cache grew until
-`cudaMallocAsync` failed at step ~30 with 2.5 GB active (bench/README.md). `auto` caps the cache at one
-step's working set (peak minus what was resident before the first step: enough to reuse every buffer of a
-repeated shape) and at what is left beside the peak under the memory limit, raised as the peak grows.
+leaves buffers of new sizes in the cache, until CUDA's allocator fails beside a small active set
+(bench/README.md). `auto` caps the cache at two steps' working sets (peak minus what was resident before the
+first step: room to reuse every buffer of a repeated shape) and at what is left beside the peak under
+HEADROOM of the device's memory, raised as the peak grows.
 """
 
 from __future__ import annotations
@@ -18,6 +18,15 @@ from typing import Any
 import mlx.core as mx
 
 GB = 1e9
+# The share of the device's memory that active plus cached buffers may take: CUDA's stream-ordered pool
+# keeps freed memory reserved, and an H200 run with the cache allowed up to MLX's own limit (95%) failed.
+HEADROOM = 0.85
+
+
+def device_memory() -> int:
+    """Bytes of the device's memory (MLX's memory limit where MLX does not report it, as on the CPU)."""
+    info = mx.device_info() if hasattr(mx, "device_info") else {}
+    return int(info.get("memory_size") or mx.get_memory_limit())
 
 
 @dataclass
@@ -38,30 +47,32 @@ class CachePolicy:
             self._set(int(gb * GB), 0)
 
     def start(self) -> None:
-        """Note what is resident before the first step."""
+        """Note what is resident before the first step; the run's peak counts from here."""
         self.resident = mx.get_active_memory()
+        mx.reset_peak_memory()
 
     def update(self, step: int) -> None:
-        """After a step: with auto, a new peak raises (or, near the memory limit, lowers) the cache limit."""
+        """After a step: with auto, a new peak raises (or, near the ceiling, lowers) the cache limit."""
         if self.setting != "auto":
             return
         peak = mx.get_peak_memory()
         if peak <= self.peak_seen:
             return
         self.peak_seen = peak
-        self._set(max(0, min(mx.get_memory_limit() - peak, peak - self.resident)), step)
+        ceiling = min(HEADROOM * device_memory(), mx.get_memory_limit())
+        self._set(int(max(0, min(ceiling - peak, 2 * (peak - self.resident)))), step)
 
     def _set(self, limit: int, step: int) -> None:
         if limit != self.limit:
             mx.set_cache_limit(limit)
             self.limit = limit
-            self.changes.append({"step": step, "cache_limit_gb": round(limit / GB, 4)})
+            self.changes.append({"step": step, "cache_limit_gb": round(limit / GB, 6)})
 
     def record(self) -> dict[str, Any]:
         """What the run's index.json keeps: the setting, the limit it ended at and when it changed."""
-        return {"cache_limit": self.setting, "cache_limit_gb": round((self.limit or 0) / GB, 4),
-                "memory_limit_gb": round(mx.get_memory_limit() / GB, 3), "peak_gb": round(mx.get_peak_memory() / GB, 4),
-                "resident_gb": round(self.resident / GB, 4), "cache_limit_changes": self.changes[-20:]}
+        return {"cache_limit": self.setting, "cache_limit_gb": round((self.limit or 0) / GB, 6),
+                "memory_limit_gb": round(mx.get_memory_limit() / GB, 3), "device_gb": round(device_memory() / GB, 3), "peak_gb": round(mx.get_peak_memory() / GB, 6),
+                "resident_gb": round(self.resident / GB, 6), "cache_limit_changes": self.changes[-20:]}
 
 
 @contextmanager

@@ -20,7 +20,8 @@ from mlx_lm.utils import load_model
 
 from orpo.batching import batch_schedule
 from orpo.config import section_defaults
-from orpo.engine.objective import MicroBatch, batch_value_and_grad, pair_logps, prepare, resolve_engine
+from orpo.engine.objective import (MicroBatch, batch_value_and_grad, check_attention, pair_logps, prepare,
+                                   resolve_engine, tight_rows_fit)
 from orpo.engine.queue import memory_limit
 from orpo.io import sha256_file
 from orpo.optim import lora_adamw, warmup_steps_for
@@ -84,6 +85,8 @@ class Session:
 
     def __post_init__(self) -> None:
         self.engine = resolve_engine(self.s["engine"])  # "auto" decided once, on this machine
+        check_attention(self.model, self.engine)
+        self._tight = tight_rows_fit(self.model)
         self._lengths = pair_tokens(self.train)
 
     @property
@@ -101,7 +104,7 @@ class Session:
 
     def prepare(self, step: int) -> list[MicroBatch]:
         """Step `step`'s micro-batches as rows (host work only: runs while the device computes the step before)."""
-        return [prepare(self.train.select(rows), self.engine) for rows in self.micro_batches(step)]
+        return [prepare(self.train.select(rows), self.engine, self._tight) for rows in self.micro_batches(step)]
 
     def run(self, step: int, batches: list[MicroBatch]) -> StepResult:
         """Start optimizer step `step` (1-based) on its prepared micro-batches; its metrics are read later."""
@@ -115,16 +118,19 @@ class Session:
                 (_, metrics), grads = batch_value_and_grad(self.model, batches[j], self.s["lambda"], self.engine)
                 return metrics, grads
 
+            seen = len(self.signatures)
             grads, metrics = accumulate_grads(micro, len(batches))
             counts = {k: sum(getattr(b, k) for b in batches)
                       for k in ("scored", "row_tokens", "two_forward_tokens", "positions")}
+            counts["new_shapes"] = len(self.signatures) - seen  # each a new trace of a compiled step
             # Every rank gets the global batch's mean gradients and metrics: clipping sees the global norm.
             grads, metrics, counts = self.shard.reduce(grads, metrics, counts)
             grad_norm, lr = self.update_fn()(grads)
-        metrics = {**metrics, "grad_norm": grad_norm, "lr": lr}
-        metrics["finite"] = mx.all(mx.isfinite(mx.stack([v.astype(mx.float32) for v in metrics.values()])))
+            metrics = {**metrics, "grad_norm": grad_norm, "lr": lr}
+            metrics["finite"] = mx.all(mx.isfinite(mx.stack([v.astype(mx.float32) for v in metrics.values()])))
+            # Encoded now (under the memory limit), waited for in StepResult.read.
+            mx.async_eval(metrics, self.model.trainable_parameters(), self.opt.state)
         counts["tokens"] = counts.pop("scored")
-        mx.async_eval(metrics, self.model.trainable_parameters(), self.opt.state)
         return StepResult(step, metrics, counts)
 
     def step(self, step: int) -> dict[str, float]:

@@ -1,0 +1,384 @@
+"""The product's training speed and memory: the real `orpo train` on fixed and on real-length data.
+
+Each case writes a random-init HF model folder of a real geometry (mlx-lm's llama classes, seeded) and
+rendered pairs in the render stage's parquet schema (random token ids), then runs `orpo train` as a user
+does (`python -m orpo.cli train --settings @file`: its loader, length-cut micro-batches, compiled step and
+update, validation, checkpoints) and reads its metrics.jsonl and index.json. The steady step is the median
+of the per-step times after the first `--skip` steps (compilation, allocator warm-up); tokens/s are over
+those steps, counted three ways: scored response tokens, the tokens the rows hold (a shared prompt once)
+and two-forward tokens (2 x prompt + chosen + rejected per pair, as bench/engine.py counts them).
+
+Cases (the lengths of `--lengths`):
+  fixed          every pair P + R + R tokens (the engine bench's shape), batch 4
+  ultrafeedback  prompt, chosen and rejected lengths drawn independently from log-normals with medians 150,
+                 300, 300 tokens (sigma 0.8), clipped to 40-700 and 60-800: one epoch of `--pairs` pairs,
+                 batch 4 x grad_accum 8 (32 pairs per optimizer step, as the ORPO paper's recipe)
+  mean           every pair at the ultrafeedback draw's mean lengths, batch 4 x grad_accum 8: the fixed-shape
+                 speed "at the same mean token count" that ultrafeedback is compared with
+Beside fixed and mean, `bench/engine.py`'s step (value_and_grad + eval, no update) with the engine's
+defaults on this machine, at the same shape, in its own process. `--profile` times the phases of the
+trainer's step one at a time (each followed by mx.eval) on the fixed shape.
+
+    .venv/bin/python bench/trainer.py --geometry cpu-small --json /tmp/trainer.json
+    python bench/trainer.py --geometry h200 --json $OUT/trainer-h200.json         # on the GPU (bench/gpu_wheels.md)
+    python bench/trainer.py --geometry mistral-7b --lengths fixed --json $OUT/trainer-7b.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [p for p in (str(ROOT), str(Path(__file__).resolve().parent)) if p not in sys.path]
+
+from engine_shapes import CPU_SMALL, LLAMA_1B, MISTRAL_7B, Case, Shape  # noqa: E402
+
+GEOMETRIES = {"h200": LLAMA_1B, "mistral-7b": MISTRAL_7B, "cpu-small": CPU_SMALL}
+LORA = {"rank": 16, "alpha": 32, "dropout": 0.0,
+        "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]}
+# (median, low, high) of prompt, chosen and rejected lengths; sigma of their logs.
+ULTRAFEEDBACK = ((150, 40, 700), (300, 60, 800), (300, 60, 800))
+SIGMA = 0.8
+GB = 1e9
+
+
+def ultrafeedback_lengths(n: int, seed: int) -> list[tuple[int, int, int]]:
+    """n (prompt, chosen, rejected) lengths, each drawn from its clipped log-normal (seeded)."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    cols = [np.clip(np.round(np.exp(np.log(med) + SIGMA * rng.standard_normal(n))), lo, hi).astype(int)
+            for med, lo, hi in ULTRAFEEDBACK]
+    return [tuple(int(c[i]) for c in cols) for i in range(n)]
+
+
+def write_rendered(out: Path, lengths: list[tuple[int, int, int]], vocab: int, seed: int, validation: int = 8) -> None:
+    """train.parquet and validation.parquet in the render stage's schema: random ids, every response token scored."""
+    import numpy as np
+    import polars as pl
+
+    rng = np.random.default_rng(seed)
+    out.mkdir(parents=True, exist_ok=True)
+
+    def frame(rows: list[tuple[int, int, int]], prefix: str) -> pl.DataFrame:
+        ids = lambda k: rng.integers(3, vocab, k).tolist()  # noqa: E731
+        p, c, r = ([ids(x[i]) for x in rows] for i in range(3))
+        return pl.DataFrame({"id": [f"{prefix}{i}" for i in range(len(rows))], "prompt_ids": p, "chosen_ids": c,
+                             "rejected_ids": r, "chosen_mask": [[1] * len(x) for x in c],
+                             "rejected_mask": [[1] * len(x) for x in r], "prompt_len": [len(x) for x in p],
+                             "chosen_len": [len(x) for x in c], "rejected_len": [len(x) for x in r]})
+
+    frame(lengths, "t").write_parquet(out / "train.parquet")
+    frame(lengths[:validation], "v").write_parquet(out / "validation.parquet")
+
+
+def write_model(shape: Shape, out: Path, seed: int) -> None:
+    """A random-init llama of the geometry in its dtype, as an HF-style folder mlx-lm loads (no tokenizer needed)."""
+    import mlx.core as mx
+    from mlx_lm.models import llama
+    from mlx_lm.utils import save_config, save_model
+
+    config = {"model_type": "llama", **shape.llama_config(), "max_position_embeddings": 8192}
+    mx.random.seed(seed)
+    model = llama.Model(llama.ModelArgs.from_dict(config))
+    model.set_dtype(getattr(mx, shape.dtype))
+    mx.eval(model.parameters())
+    save_model(out, model)
+    save_config(config, out / "config.json")
+
+
+def settings_for(batch: int, accum: int, steps: int, engine: dict[str, Any]) -> dict[str, Any]:
+    """The train settings of a case: LoRA rank 16 on the seven projections, one checkpoint at the end."""
+    return {"lr": 1e-5, "batch_size": batch, "grad_accum": accum, "epochs": 1, "max_steps": steps,
+            "checkpoint_every": 0, "log_every": 10, "warmup": 0, "lora": LORA, "engine": engine}
+
+
+def steady(lines: list[dict[str, Any]], skip: int) -> dict[str, Any]:
+    """Step time and rates over the train lines after the first `skip` steps."""
+    train = [x for x in lines if x.get("split") == "train"]
+    times = [b["elapsed_s"] - a["elapsed_s"] for a, b in zip(train, train[1:])][skip:]
+    kept = train[skip + 1:]
+    if not times:
+        return {"failed": f"only {len(train)} steps: nothing after the first {skip}"}
+    seconds = sum(times)
+    sums = {k: sum(x[k] for x in kept) for k in ("tokens", "row_tokens", "two_forward_tokens", "positions")}
+    return {"steps": len(train), "timed_steps": len(times), "step_s": statistics.median(times),
+            "mean_step_s": seconds / len(times),
+            "tokens_per_s": sums["tokens"] / seconds, "row_tokens_per_s": sums["row_tokens"] / seconds,
+            "two_forward_tokens_per_s": sums["two_forward_tokens"] / seconds,
+            "padding": 1 - sums["row_tokens"] / max(sums["positions"], 1),
+            "row_tokens_per_step": sums["row_tokens"] / len(kept),
+            "peak_gb": max(x["peak_memory_mb"] for x in train) * 2**20 / GB,
+            "cache_gb": max(x["cache_memory_mb"] for x in train) * 2**20 / GB,
+            "active_plus_cache_gb": max(x["active_memory_mb"] + x["cache_memory_mb"] for x in train) * 2**20 / GB,
+            "loss_first": train[0]["loss"], "loss_last": train[-1]["loss"]}
+
+
+def run_train(model: Path, rendered: Path, out: Path, settings: dict[str, Any], timeout: int,
+              skip: int) -> dict[str, Any]:
+    """`orpo train` in a fresh process, as the workflow runs it; its steady-state numbers from its own files.
+
+    A run that fails or times out still reports the steps it logged (from its `.partial` folder).
+    """
+    settings_file = out.parent / f"{out.name}.settings.json"
+    settings_file.write_text(json.dumps(settings))
+    cmd = [sys.executable, "-m", "orpo.cli", "train", "--model", str(model), "--rendered", str(rendered),
+           "--out", str(out), "--settings", f"@{settings_file}"]
+    t0 = time.perf_counter()
+    failed = None
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+        if proc.returncode != 0:
+            failed = f"exit {proc.returncode}: {(proc.stderr.strip().splitlines() or ['(no output)'])[-1][:200]}"
+    except subprocess.TimeoutExpired:
+        failed = f"timed out after {timeout} s"
+    wall = time.perf_counter() - t0
+    folder = out if failed is None else out.with_name(out.name + ".partial")
+    metrics = folder / "metrics.jsonl"
+    lines = [json.loads(x) for x in metrics.read_text().splitlines() if x.strip()] if metrics.exists() else []
+    train = [x for x in lines if x.get("split") == "train"]
+    series = {k: [x[k] for x in train] for k in ("elapsed_s", "new_shapes", "positions", "row_tokens")
+              if train and k in train[0]}
+    result: dict[str, Any] = {"wall_s": wall, "series": series}
+    if failed:
+        result["failed"] = failed
+    if len(train) > skip + 1:
+        result.update(steady(lines, skip))
+        result["shapes"] = train[-1].get("shapes")
+        result.update(shape_costs(train, skip))
+    if failed is None:
+        run = json.loads((out / "index.json").read_text()).get("run", {})
+        result.update({"traces": run.get("traces"), "memory": run.get("memory"),
+                       "engine_resolved": json.loads((out / "settings.json").read_text())["engine_resolved"]})
+    return result
+
+
+def shape_costs(train: list[dict[str, Any]], skip: int) -> dict[str, Any]:
+    """Median time of steps that met a new padded shape (a new compiled trace) and of those that did not."""
+    if "new_shapes" not in train[0]:
+        return {}
+    new, old = [], []
+    for a, b in zip(train[skip:], train[skip + 1:]):
+        (new if b["new_shapes"] else old).append(b["elapsed_s"] - a["elapsed_s"])
+    return {"steps_with_new_shapes": len(new), "new_shape_step_s": statistics.median(new) if new else None,
+            "known_shape_step_s": statistics.median(old) if old else None,
+            "seconds_in_new_shape_steps": sum(new)}
+
+
+def engine_bench(shape: Shape, timeout: int) -> dict[str, Any]:
+    """bench/engine.py's step at `shape` with the engine's defaults as this machine resolves them."""
+    from engine import run_case
+
+    from orpo.config import section_defaults
+
+    case = Case("trainer-default", shape, engine=dict(section_defaults("train")["engine"]))
+    suite_steps, warmup = (10, 3) if shape.dtype == "bfloat16" else (3, 1)
+    return run_case(case, suite_steps, warmup, 0, timeout)
+
+
+def profile(model: Path, rendered: Path, settings: dict[str, Any], steps: int) -> dict[str, float]:
+    """Milliseconds per phase of the trainer's step (median over steps), each phase followed by mx.eval."""
+    import mlx.core as mx
+    import mlx.optimizers as optim
+    from mlx.utils import tree_flatten
+
+    from orpo.engine.objective import batch_value_and_grad, pair_value_and_grad
+    from orpo.train.session import build_session
+
+    sess = build_session(model, rendered, settings)
+    params = lambda: sess.model.trainable_parameters()  # noqa: E731
+    clip = mx.compile(lambda g: optim.clip_grad_norm(g, 1.0)[1])
+    times: dict[str, list[float]] = {}
+
+    def timed(name: str, fn: Any, device: bool = True) -> Any:
+        """fn()'s result; its time (with mx.eval of the result when it is device work) recorded under name."""
+        t0 = time.perf_counter()
+        out = fn()
+        if device:
+            mx.eval(out)
+        times.setdefault(name, []).append(1000 * (time.perf_counter() - t0))
+        return out
+
+    def eager_update(grads: Any) -> Any:  # the loop before its update was compiled: clip, read, update, eval
+        grads, norm = optim.clip_grad_norm(grads, 1.0)
+        mx.eval(norm)
+        norm.item()
+        sess.opt.update(sess.model, grads)
+        return params(), sess.opt.state
+
+    for step in range(1, steps + 1):
+        batches = timed("host: rows of the step (prepare)", lambda: sess.prepare(step), device=False)
+        timed("host: dropout keys", lambda: sess.keys.at(step, 0), device=False)
+        (_, metrics), grads = timed("forward + backward", lambda: batch_value_and_grad(
+            sess.model, batches[0], sess.s["lambda"], sess.engine))
+        timed("clip alone (compiled)", lambda: clip(grads))
+        timed("clip + update, compiled (the trainer's)", lambda: [sess.update_fn()(grads), params(), sess.opt.state])
+        timed("clip + read + update, uncompiled (before)", lambda: eager_update(grads))
+        timed("metrics read", lambda: [v.item() for v in metrics.values()], device=False)
+        timed("log line", lambda: json.dumps({k: round(v.item(), 6) for k, v in metrics.items()}), device=False)
+        timed("engine bench's step (pack + value_and_grad)", lambda: pair_value_and_grad(
+            sess.model, sess.train.select(sess.micro_batches(step)[0]), sess.s["lambda"], sess.engine))
+        timed("whole step, serial (prepare, run, read)", lambda: sess.run(step, sess.prepare(step)).read(), device=False)
+
+        def overlapped() -> dict[str, float]:
+            started = sess.run(step, batches)
+            sess.prepare(step + 1)  # what the loop does while the device runs the step
+            return started.read()
+
+        timed("whole step, next rows prepared while it runs (the trainer's loop)", overlapped, device=False)
+    skip = min(2, steps - 1)
+    return {name: statistics.median(v[skip:]) for name, v in times.items()}
+
+
+def environment() -> dict[str, Any]:
+    """Device and versions (bench/engine.py's)."""
+    from engine import environment as engine_environment
+
+    return engine_environment()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--geometry", default="cpu-small", choices=sorted(GEOMETRIES))
+    ap.add_argument("--lengths", default="fixed,ultrafeedback,mean", help="cases to run, comma-separated")
+    ap.add_argument("--steps", type=int, help="optimizer steps of the fixed cases (default 60 on GPU, 8 on CPU)")
+    ap.add_argument("--pairs", type=int, help="pairs of the ultrafeedback epoch (default 4096 on GPU, 128 on CPU)")
+    ap.add_argument("--warm", choices=["auto", "yes", "no"], default="auto",
+                    help="a 2-step run of each case first, so the measured run finds the device kernels compiled "
+                         "(auto: on a GPU, where MLX's first compilation of them took ~2.5 minutes on an H200)")
+    ap.add_argument("--skip", type=int, default=3, help="first steps left out of the steady numbers")
+    ap.add_argument("--engine", default="{}", help="train.engine overrides as JSON (default: the product's defaults)")
+    ap.add_argument("--no-engine-bench", action="store_true", help="skip bench/engine.py's step beside the cases")
+    ap.add_argument("--profile", type=int, default=0, metavar="STEPS", help="also time the step's phases over STEPS steps")
+    ap.add_argument("--timeout", type=int, default=600, help="seconds per orpo train run")
+    ap.add_argument("--work", help="folder for models, data and runs (default: a temporary one)")
+    ap.add_argument("--json", help="write the results here")
+    ap.add_argument("--profile-child", help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.profile_child:
+        job = json.loads(a.profile_child)
+        print(json.dumps(profile(Path(job["model"]), Path(job["rendered"]), job["settings"], job["steps"])))
+        return
+    from orpo.blas import reexec_with_openblas
+
+    reexec_with_openblas([], sys.argv)
+    shape = GEOMETRIES[a.geometry]
+    gpu = shape.dtype == "bfloat16"
+    steps = a.steps or (60 if gpu else 8)
+    n_pairs = a.pairs or (4096 if gpu else 128)
+    warm = gpu if a.warm == "auto" else a.warm == "yes"
+    engine = json.loads(a.engine)
+    env = environment()
+    print(f"{a.geometry}: {env['device']} {env.get('gpu', '')}, MLX {env['versions'].get('mlx')}", flush=True)
+    work = Path(a.work or tempfile.mkdtemp(prefix="orpo-trainer-bench-"))
+    model = work / "model"
+    if not (model / "config.json").exists():
+        t0 = time.perf_counter()
+        write_model(shape, model, 0)
+        print(f"model folder written in {time.perf_counter() - t0:.0f} s", flush=True)
+    draw = ultrafeedback_lengths(n_pairs, 1)
+    mean = tuple(round(sum(x[i] for x in draw) / len(draw)) for i in range(3))
+    mean_steps = min(len(draw) // 32, max(8, steps // 4))
+    cases = {
+        "fixed": ([(shape.prompt, shape.response, shape.response)] * (4 * steps + 8), 4, 1, steps),
+        "ultrafeedback": (draw, 4, 8, 0),
+        "mean": ([mean] * (32 * mean_steps + 8), 4, 8, mean_steps),
+    }
+    results: dict[str, Any] = {"bench": "trainer", "geometry": a.geometry, "shape": shape.__dict__, "environment": env,
+                               "ultrafeedback": {"spec": ULTRAFEEDBACK, "sigma": SIGMA, "pairs": n_pairs, "mean": mean},
+                               "engine_overrides": engine, "cases": {}}
+
+    def save() -> None:
+        if a.json:
+            from orpo.io import write_json
+
+            write_json(a.json, results)
+
+    for name in [c.strip() for c in a.lengths.split(",") if c.strip()]:
+        lengths, batch, accum, max_steps = cases[name]
+        rendered = work / f"rendered-{name}"
+        write_rendered(rendered, lengths, shape.vocab, 2)
+        skip = a.skip if accum == 1 else max(1, a.skip // 2)
+        warmup = run_train(model, rendered, work / f"warm-{name}", settings_for(batch, accum, 2, engine),
+                           a.timeout, 0) if warm else None
+        res = run_train(model, rendered, work / f"run-{name}", settings_for(batch, accum, max_steps, engine),
+                        a.timeout, skip)
+        if warmup is not None:
+            res["warmup_wall_s"] = warmup["wall_s"]
+        p, c, r = (sum(x[i] for x in lengths) / len(lengths) for i in range(3))
+        res["mean_lengths"] = [round(p, 1), round(c, 1), round(r, 1)]
+        res["batch"], res["grad_accum"] = batch, accum
+        if name in ("fixed", "mean") and not a.no_engine_bench:
+            at = replace(shape, prompt=round(p), response=round((c + r) / 2), pairs=batch)
+            res["engine_bench"] = engine_bench(at, a.timeout)
+        results["cases"][name] = res
+        print(f"  {name}: " + (f"{res['step_s']:.3f} s/step, {res['two_forward_tokens_per_s']:.0f} two-forward tok/s"
+                               if "step_s" in res else "") + (f" ({res['failed']})" if "failed" in res else ""),
+              flush=True)
+        save()
+    if a.profile:
+        rendered = work / "rendered-fixed"
+        if not rendered.exists():
+            write_rendered(rendered, cases["fixed"][0], shape.vocab, 2)
+        job = {"model": str(model), "rendered": str(rendered), "steps": a.profile,
+               "settings": settings_for(4, 1, a.profile + 1, engine)}
+        proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--profile-child", json.dumps(job)],
+                              capture_output=True, text=True, timeout=a.timeout, cwd=ROOT)
+        lines = proc.stdout.strip().splitlines()
+        results["profile"] = json.loads(lines[-1]) if proc.returncode == 0 and lines else \
+            {"failed": (proc.stderr.strip().splitlines() or ["?"])[-1][:200]}
+        save()
+    print()
+    print(format_report(results))
+
+
+def format_report(results: dict[str, Any]) -> str:
+    """The cases as one table, the engine bench beside the fixed shapes, then the profile."""
+    head = (f"{'case':<14}{'P/C/R mean':>17}{'s/step':>9}{'row tok/s':>11}{'2-fwd tok/s':>12}{'padding':>9}"
+            f"{'shapes':>7}{'traces':>7}{'peak GB':>9}{'cache GB':>9}{'engine s/step':>14}{'x engine':>9}")
+    lines = [f"orpo train, {results['geometry']} ({results['environment']['device']}), LoRA rank 16 x 7 projections",
+             head, "-" * len(head)]
+    for name, r in results["cases"].items():
+        if "step_s" not in r:
+            lines.append(f"{name:<14}failed: {r.get('failed')}")
+            continue
+        eng = r.get("engine_bench") or {}
+        # Per micro-batch for the ratio: the engine bench times one micro-batch's value_and_grad.
+        per_micro = r["step_s"] / r["grad_accum"]
+        x = f"{eng['step_s'] / per_micro:>9.2f}" if eng.get("step_s") else f"{'-':>9}"
+        e = f"{eng['step_s']:>14.3f}" if eng.get("step_s") else f"{eng.get('failed', '-')[:13]:>14}"
+        mean = "/".join(f"{v:.0f}" for v in r["mean_lengths"])
+        lines.append(f"{name:<14}{mean:>17}{r['step_s']:>9.3f}{r['row_tokens_per_s']:>11.0f}"
+                     f"{r['two_forward_tokens_per_s']:>12.0f}{r['padding']:>9.3f}{r.get('shapes') or 0:>7}"
+                     f"{r.get('traces') or 0:>7}{r['peak_gb']:>9.2f}{r['cache_gb']:>9.2f}{e}{x}")
+    cases = results["cases"]
+    for name, r in cases.items():
+        if "failed" in r and "step_s" in r:
+            lines.append(f"{name}: {r['failed']}; the numbers above are of its {r['steps']} logged steps")
+        if r.get("steps_with_new_shapes"):
+            lines.append(f"{name}: {r['steps_with_new_shapes']} steps met a new shape (median {r['new_shape_step_s']:.3f} s, "
+                         f"{r['seconds_in_new_shape_steps']:.1f} s in all); steps of known shapes "
+                         + (f"{r['known_shape_step_s']:.3f} s" if r["known_shape_step_s"] is not None else "none"))
+    if all(k in cases and "failed" not in cases[k] for k in ("ultrafeedback", "mean")):
+        ratio = cases["ultrafeedback"]["row_tokens_per_s"] / cases["mean"]["row_tokens_per_s"]
+        lines.append(f"ultrafeedback / mean (row tokens/s, same mean token count): {ratio:.2f}x (target >= 0.8)")
+    if "profile" in results:
+        lines.append("")
+        lines.append("step phases (ms, median; each followed by mx.eval):")
+        for name, ms in results["profile"].items():
+            lines.append(f"  {name:<66}{ms:>9.2f}" if isinstance(ms, float) else f"  {name}: {ms}")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()

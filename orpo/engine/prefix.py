@@ -116,9 +116,9 @@ def shared_rows(pairs: Pairs, input_multiple: int | None = None, attention: str 
     "auto" aligned rows where they are no wider than tight ones and every pair has one prompt length (one
     rejected attention, one trace), else tight rows, or, where `tight` says they cannot be attended with
     the exclusion dims at full speed (orpo.engine.attention.exclusion_fits), the plain two-forward rows.
-    Pads are never scored. The layout holds per-token
-    vectors only (positions, which tokens are rejected's, which keys rejected may not see) and, aligned,
-    the SplitRows structure; an [L, L] visibility is built on the device only where a layer needs it.
+    Pads are never scored. The layout holds per-token vectors only (positions, which tokens are rejected's,
+    which keys rejected may not see) and, aligned, the SplitRows structure; an [L, L] visibility is built on
+    the device only where a layer needs it.
     """
     multiple = input_multiple or 16
     heads, tails, shared = [], [], []

@@ -14,13 +14,50 @@ from orpo.blas import reexec_with_openblas
 
 
 def _settings(text: str) -> dict[str, Any]:
-    """--settings takes JSON, or @file holding JSON."""
+    """--settings takes JSON, or @file holding JSON; a bad one is named with its file, line and column."""
+    source = None
     if text.startswith("@"):
-        text = Path(text[1:]).read_text()
-    value = json.loads(text)
+        source = text[1:]
+        try:
+            text = Path(source).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise argparse.ArgumentTypeError(f"cannot read {source}: {getattr(e, 'strerror', None) or e}") from None
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        where = f"{source}:{e.lineno}:{e.colno}" if source else f"line {e.lineno} column {e.colno}"
+        raise argparse.ArgumentTypeError(f"{where}: not valid JSON: {e.msg}") from None
     if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError("settings must be a JSON object")
+        raise argparse.ArgumentTypeError(f"{source or 'the value'}: expected a JSON object, got {type(value).__name__}")
     return value
+
+
+# What each command's JSON arguments hold: (argument attribute, option, schema section, keys left out).
+# They are exactly what the workflow's rules pass (workflow/rules/*.smk): a config section, spin's less
+# the keys that shape the DAG (common.smk's spin_settings), render's prompt keys for --render-settings.
+SPIN_DAG_KEYS = ("iterations", "sft", "adapter")
+CHECKED = {
+    "data": [("settings", "--settings", "data", ())],
+    "curate": [("settings", "--settings", "curate", ())],
+    "base": [("settings", "--settings", "base", ())],
+    "render": [("settings", "--settings", "render", ())],
+    "train": [("settings", "--settings", "train", ())],
+    "generate": [("settings", "--settings", "generate", ()), ("render_settings", "--render-settings", "render", ())],
+    "spin": [("settings", "--settings", "spin", SPIN_DAG_KEYS),
+             ("render_settings", "--render-settings", "render", ())],
+    "judge run": [("settings", "--settings", "judge", ())],
+    "report paper-table": [("spec", "--spec", "paper", ())],
+    "report paper-judge": [("spec", "--spec", "paper", ())],
+}
+
+
+def check_settings(args: argparse.Namespace) -> None:
+    """Check a command's settings against the config schema before any work: unknown keys, wrong types."""
+    from orpo.config import validate_settings
+
+    command = " ".join(filter(None, [args.stage, getattr(args, "action", None)]))
+    for attr, option, section, drop in CHECKED.get(command, []):
+        setattr(args, attr, validate_settings(section, getattr(args, attr), drop=drop, what=option))
 
 
 def _labelled(text: str) -> tuple[str, str]:
@@ -52,7 +89,7 @@ def cmd_curate(a: argparse.Namespace) -> Any:
 def cmd_base(a: argparse.Namespace) -> Any:
     from orpo.base.model import build_base
 
-    return build_base(a.raw, a.out, a.settings)
+    return build_base(a.raw, a.out, a.settings, a.on_error)
 
 
 def cmd_render(a: argparse.Namespace) -> Any:
@@ -161,6 +198,17 @@ def cmd_judge_prompts(a: argparse.Namespace) -> Any:
     return {"prompts": write_prompts(questions, a.out), "skipped": skipped}
 
 
+def cmd_config(a: argparse.Namespace) -> Any:
+    from orpo.config import PROJECT_ROOT, load_config_file, validate_config
+    from orpo.experiments import deep_merge, expand
+
+    config: dict[str, Any] = {}
+    for path in [PROJECT_ROOT / "config" / "config.yaml", *a.configfiles]:
+        config = deep_merge(config, load_config_file(path))
+    validate_config(config)
+    return {"experiments": sorted(filter(None, expand(config))), "config": config}
+
+
 def cmd_env(a: argparse.Namespace) -> Any:
     import importlib.metadata
 
@@ -215,6 +263,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     stage("env", cmd_env, "print versions, the MLX device and the BLAS libraries loaded", settings=False)
 
+    p = stage("config", cmd_config, "check config files as `snakemake --configfile` would merge them, YAML errors "
+              "by file:line:column; print the validated config", settings=False)
+    p.add_argument("configfiles", nargs="*", type=Path, help="merged in order over config/config.yaml")
+
     p = stage("data", cmd_data, "generate the synthetic preference rows or the eval prompt set")
     p.add_argument("what", choices=["rows", "eval-prompts"])
     p.add_argument("--out", required=True)
@@ -229,7 +281,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--eval-prompts", help="jsonl of eval prompts to decontaminate against")
 
     p = stage("base", cmd_base, "build the embedded tiny model from raw rows")
-    p.add_argument("--raw", required=True)
+    p.add_argument("--raw", required=True, help="raw rows: a .jsonl/.json/.parquet file, a folder of them or a hub id")
+    p.add_argument("--on-error", choices=["raise", "skip"], default="raise",
+                   help="a malformed row: stop naming it, or skip and count it (the workflow passes curate.on_error)")
     p.add_argument("--out", required=True)
 
     p = stage("render", cmd_render, "render pairs through the chat template into token ids")
@@ -343,6 +397,7 @@ def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     args.argv = argv  # what a distributed launch re-runs as each rank
     try:
+        check_settings(args)
         result = args.fn(args)
     except (ValueError, OSError, KeyError, RuntimeError) as e:
         if os.environ.get("ORPO_DEBUG"):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import functools
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +13,8 @@ import jsonschema
 import yaml
 
 from orpo.hub import is_hub_dataset
+from orpo.io import InputError
+from orpo.rows import data_files
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 SCHEMA_PATH = PROJECT_ROOT / "workflow" / "schemas" / "config.schema.yaml"
@@ -47,6 +50,64 @@ def _fill_defaults(node: dict[str, Any], schema: dict[str, Any]) -> None:
             _fill_defaults(node[key], sub)
 
 
+_INT = re.compile(r"[-+]?[0-9]+")
+_FLOAT = re.compile(r"[-+]?(\.[0-9]+|[0-9]+(\.[0-9]*)?)([eE][-+]?[0-9]+)?")
+_BOOL = {"true": True, "false": False}
+
+
+def _accepts(schema: dict[str, Any]) -> tuple[set[str], list[Any]]:
+    """The JSON types and the literal values (enum, const) a scalar schema node accepts, anyOf/oneOf included."""
+    types = schema.get("type", [])
+    types, literals = set([types] if isinstance(types, str) else types), list(schema.get("enum", []))
+    if "const" in schema:
+        literals.append(schema["const"])
+    for branch in schema.get("anyOf", []) + schema.get("oneOf", []):
+        t, lit = _accepts(branch)
+        types |= t
+        literals += lit
+    return types, literals
+
+
+def _reading(text: str, schema: dict[str, Any]) -> Any:
+    """What a string means where the schema wants a number, integer, boolean or null (YAML 1.2 core rules).
+
+    PyYAML (YAML 1.1) reads 1e-3 as a string, and Snakemake's --config reads nested values as strings;
+    a string the node already accepts, or one that reads as nothing it accepts, is returned unchanged.
+    """
+    types, literals = _accepts(schema)
+    if "string" in types or text in literals:
+        return text
+    word = text.strip()
+    if {"integer", "number"} & types and _INT.fullmatch(word):
+        return int(word)
+    if {"integer", "number"} & types and _FLOAT.fullmatch(word):
+        value = float(word)
+        if "number" in types:
+            return value
+        if value.is_integer():
+            return int(value)
+    if word.lower() in _BOOL and ("boolean" in types or _BOOL[word.lower()] in literals):
+        return _BOOL[word.lower()]
+    if word in ("null", "Null", "NULL", "~") and ("null" in types or None in literals):
+        return None
+    return text
+
+
+def _coerce(node: Any, schema: dict[str, Any]) -> Any:
+    """`node` with its scalar strings read as numbers, booleans or null where the schema wants them (in place)."""
+    if isinstance(node, str):
+        return _reading(node, schema)
+    if isinstance(node, dict):
+        props, extra = schema.get("properties", {}), schema.get("additionalProperties")
+        for key, value in node.items():
+            sub = props.get(key, extra if isinstance(extra, dict) else None)
+            if sub is not None:
+                node[key] = _coerce(value, sub)
+    elif isinstance(node, list) and isinstance(schema.get("items"), dict):
+        node[:] = [_coerce(v, schema["items"]) for v in node]
+    return node
+
+
 def _dotted(path: Any) -> str:
     return ".".join(str(p) for p in path) or "(top level)"
 
@@ -61,16 +122,63 @@ def _describe(err: jsonschema.ValidationError) -> str:
     return f"{where}: {err.message}"
 
 
+def _check(instance: dict[str, Any], schema: dict[str, Any], prefix: str) -> None:
+    """Raise one ConfigError listing every schema violation, each by its dotted key."""
+    errors = sorted(jsonschema.Draft202012Validator(schema).iter_errors(instance), key=lambda e: list(e.absolute_path))
+    if errors:
+        raise ConfigError(f"{prefix}: " + "; ".join(_describe(e) for e in errors))
+
+
+def validate_settings(section: str, settings: dict[str, Any], drop: tuple[str, ...] = (),
+                      what: str = "--settings") -> dict[str, Any]:
+    """Check one stage's settings against the schema's `section` (less the keys in `drop`), as the workflow would.
+
+    Strings are read as numbers where the schema wants them (in place); unknown keys and wrong types raise
+    ConfigError naming the dotted key. Defaults stay the stage's to fill.
+    """
+    sub = copy.deepcopy(load_schema()["properties"][section])
+    for key in drop:
+        sub.get("properties", {}).pop(key, None)
+    _coerce(settings, sub)
+    _check({section: settings}, {"type": "object", "properties": {section: sub}}, what)
+    return settings
+
+
+def load_config_file(path: str | os.PathLike) -> dict[str, Any]:
+    """A YAML (or JSON) config file as a mapping; a syntax error raises ConfigError naming file:line:column."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+        value = yaml.safe_load(text)
+    except yaml.MarkedYAMLError as e:
+        mark = e.problem_mark or e.context_mark
+        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)
+        raise ConfigError(f"config error: {where}: not valid YAML: {e.problem or e.context}") from None
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
+        raise ConfigError(f"config error: {path}: {e}") from None
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise ConfigError(f"config error: {path}: expected a mapping of config keys, got {type(value).__name__}")
+    return value
+
+
+def _recorded(p: Path, base: Path) -> str:
+    """`p` relative to `base` when inside it, else absolute: rule params then survive a moved checkout."""
+    absolute, root = os.path.abspath(p), os.path.abspath(base)
+    return os.path.relpath(absolute, root) if Path(absolute).is_relative_to(root) else absolute
+
+
 def validate_config(config: dict[str, Any], base_dir: str | os.PathLike | None = None) -> dict[str, Any]:
     """Fill defaults into `config` in place and check it; raise ConfigError naming the key or path.
 
-    Relative paths resolve against `base_dir` (the working directory by default).
+    Strings are read as numbers where the schema wants numbers (YAML 1.1's 1e-3, Snakemake's nested --config).
+    Relative paths resolve against `base_dir` (the working directory by default) and paths inside it are
+    recorded relative to it, so a moved or re-cloned checkout gives the same rule params.
     """
     schema = load_schema()
+    _coerce(config, schema)
     _fill_defaults(config, schema)
-    errors = sorted(jsonschema.Draft202012Validator(schema).iter_errors(config), key=lambda e: list(e.absolute_path))
-    if errors:
-        raise ConfigError("config error: " + "; ".join(_describe(e) for e in errors))
+    _check(config, schema, "config error")
     base = Path(base_dir or os.getcwd())
 
     def existing(key: str, value: str | None, need: str | None = None) -> str | None:
@@ -82,7 +190,7 @@ def validate_config(config: dict[str, Any], base_dir: str | os.PathLike | None =
             raise ConfigError(f"config error: {key}: {value} does not exist")
         if need and not (p / need).exists():
             raise ConfigError(f"config error: {key}: {value} has no {need} (expected an HF-style model folder)")
-        return str(p)
+        return _recorded(p, base)
 
     def source(key: str, value: str | None) -> str | None:  # eval prompt sets: a hub id is checked when loaded
         return value if value and value.startswith("hub:") else existing(key, value)
@@ -93,7 +201,12 @@ def validate_config(config: dict[str, Any], base_dir: str | os.PathLike | None =
     model["path"] = existing("model.path", model["path"], need="config.json")
     raw = config["data"]["raw"]  # a path, or a hub id (owner/name[:split]) that curate loads
     config["data"]["raw"] = raw if raw and is_hub_dataset(raw, base) else existing("data.raw", raw)
-    config["eval"]["prompts"] = source("eval.prompts", config["eval"]["prompts"]) or str(EMBEDDED_EVAL_PROMPTS)
+    if config["data"]["raw"] and not is_hub_dataset(config["data"]["raw"], base):
+        try:  # every stage that reads raw rows takes these forms (orpo.rows): refuse others before any job runs
+            data_files(str(base / config["data"]["raw"]))
+        except InputError as e:
+            raise ConfigError(f"config error: data.raw: {e}") from None
+    config["eval"]["prompts"] = source("eval.prompts", config["eval"]["prompts"]) or _recorded(EMBEDDED_EVAL_PROMPTS, base)
     config["curate"]["truthfulqa_questions"] = existing("curate.truthfulqa_questions", config["curate"]["truthfulqa_questions"])
     config["render"]["template"] = existing("render.template", config["render"]["template"])
     config["judge"]["prompts_file"] = existing("judge.prompts_file", config["judge"]["prompts_file"])

@@ -23,6 +23,7 @@ import json
 import re
 from typing import Any
 
+from orpo.folders import marker
 from orpo.config import ConfigError, validate_config
 from orpo.hub import is_hub_dataset
 
@@ -197,8 +198,10 @@ class Layout:
         return model["path"] or model["hub_id"]
 
     def model_input(self, name: str) -> list[str]:
-        """The base model as a Snakemake input (none for a hub id)."""
+        """The base model as a Snakemake input: the base stage's marker, the user's folder, none for a hub id."""
         model = self.configs[name]["model"]
+        if self.embedded_model(name):
+            return [marker(self.model_ref(name))]
         return [] if model["hub_id"] and not model["path"] else [self.model_ref(name)]
 
     def curated(self, name: str) -> str:
@@ -214,9 +217,10 @@ class Layout:
         return f"results/{self.up(name, 'judge_prompts')}judge/prompts.jsonl"
 
     def judge_questions(self, name: str) -> str:
-        """The judge's question source: MT-Bench's question.jsonl or the curated validation prompts."""
+        """The judge's question source as a Snakemake input: MT-Bench's question.jsonl or the curate stage's
+        marker (its folder holds the validation prompts)."""
         judge = self.configs[name]["judge"]
-        return judge["questions"] if judge["prompt_set"] == "mt_bench" else self.curated(name)
+        return judge["questions"] if judge["prompt_set"] == "mt_bench" else marker(self.curated(name))
 
     def prompt_set(self, name: str, which: str) -> tuple[str, int]:
         """(prompts file, limit) of a prompt set: the eval prompts or the judge's questions."""

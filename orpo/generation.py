@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 import time
 from dataclasses import dataclass
@@ -29,10 +30,44 @@ class Generator:
     chat: ChatTemplate
     tokenizer: Tokenizer
     template_kwargs: dict[str, Any]
+    context: int | None = None  # positions the model takes (prompt + generated tokens); None: not stated
+    context_source: str | None = None  # where `context` was read, e.g. "config.json max_position_embeddings"
 
     def prompt_ids(self, messages: list[dict[str, Any]]) -> list[int]:
         """Token ids of the generation prompt for a conversation."""
         return encode_generation_prompt(self.chat, self.tokenizer, messages, **self.template_kwargs)
+
+    def budget(self, prompt_tokens: int, max_tokens: int) -> int:
+        """Tokens that may follow a prompt of `prompt_tokens`: `max_tokens`, cut to the room left in the context."""
+        if self.context is None:
+            return max_tokens
+        return max(0, min(max_tokens, self.context - prompt_tokens))
+
+
+# config.json keys that state a model's position limit, in the order they are tried.
+CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "n_ctx")
+
+
+def context_length(model_dir: str | Path) -> tuple[int, str] | None:
+    """The model's position limit from its config.json (top level, then text_config) and where it was found.
+
+    None when the folder has no config.json or it states no limit: generation is then left unchecked.
+    """
+    path = Path(model_dir) / "config.json"
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(config, dict):
+        return None
+    for where, section in (("", config), ("text_config.", config.get("text_config"))):
+        if not isinstance(section, dict):
+            continue
+        for key in CONTEXT_KEYS:
+            value = section.get(key)
+            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                return value, f"config.json {where}{key}"
+    return None
 
 
 def load_generator(
@@ -47,7 +82,9 @@ def load_generator(
     model_dir = resolve_model_dir(model, weights=True)
     net, wrapper = load(str(model_dir), adapter_path=str(adapter) if adapter else None)
     chat = load_template(model_dir, render.get("template"))
-    return Generator(net, wrapper, chat, load_tokenizer(model_dir), dict(render.get("template_kwargs") or {}))
+    context, source = context_length(model_dir) or (None, None)
+    return Generator(net, wrapper, chat, load_tokenizer(model_dir), dict(render.get("template_kwargs") or {}),
+                     context, source)
 
 
 def truncate_at_stop(text: str, stops: list[str]) -> str:
@@ -107,20 +144,37 @@ def generate_batched(
     is exact whatever the tokenization around them (the token counts include what was cut). Progress goes
     to stderr as a GenerationProgress named `label`, or, when given, to the `progress(done, total)` callback.
     """
+    texts, _, stats = generate_counted(gen, prompts, settings, progress, label)
+    return texts, stats
+
+
+def generate_counted(
+    gen: Generator, prompts: list[list[int]], settings: dict[str, Any],
+    progress: Callable[[int, int], None] | None = None, label: str = "generate",
+    budgets: list[int] | None = None,
+) -> tuple[list[str], list[int], dict[str, Any]]:
+    """generate_batched, also returning each prompt's generated token count; `budgets` are per-prompt max_tokens.
+
+    Without `budgets` every prompt may generate `settings["max_tokens"]` tokens.
+    """
     mx.random.seed(settings["seed"])
     sampler = make_sampler(temp=settings["temperature"], top_p=settings["top_p"])
+    budgets = [settings["max_tokens"]] * len(prompts) if budgets is None else list(budgets)
+    if len(budgets) != len(prompts):
+        raise ValueError(f"{len(budgets)} budgets for {len(prompts)} prompts")
     order = sorted(range(len(prompts)), key=lambda i: (len(prompts[i]), i))
     texts: list[str] = [""] * len(prompts)
+    counts: list[int] = [0] * len(prompts)
     bar = None if progress else GenerationProgress(len(prompts), label)
     t0, tokens = time.time(), 0
     try:
         for start in range(0, len(order), settings["batch_size"]):
             chunk = order[start : start + settings["batch_size"]]
             out = batch_generate(gen.model, gen.wrapper, [prompts[i] for i in chunk],
-                                 max_tokens=settings["max_tokens"], sampler=sampler, return_token_ids=True)
+                                 max_tokens=[budgets[i] for i in chunk], sampler=sampler, return_token_ids=True)
             batch_tokens = 0
             for i, text, ids in zip(chunk, out.texts, out.token_ids):
-                texts[i] = text
+                texts[i], counts[i] = text, len(ids)
                 batch_tokens += len(ids)
             tokens += batch_tokens
             if bar is not None:
@@ -134,5 +188,5 @@ def generate_batched(
     stops = [x for x in settings.get("stop") or [] if x]
     if stops:
         texts = [truncate_at_stop(t, stops) for t in texts]
-    return texts, {"prompts": len(prompts), "generated_tokens": tokens, "seconds": round(seconds, 1),
-                   "tokens_per_s": round(tokens / max(seconds, 1e-9), 1)}
+    return texts, counts, {"prompts": len(prompts), "generated_tokens": tokens, "seconds": round(seconds, 1),
+                           "tokens_per_s": round(tokens / max(seconds, 1e-9), 1)}

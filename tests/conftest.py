@@ -16,7 +16,7 @@ SHARED = ROOT.parent / "shared"
 # Small enough to build in seconds on 2 CPU cores, big enough to learn something.
 TINY_BASE = {
     "vocab_size": 512, "hidden_size": 64, "num_layers": 2, "num_heads": 2, "intermediate_size": 128,
-    "max_length": 96, "steps": 80, "batch_size": 8, "lr": 0.003, "log_every": 10,
+    "max_length": 96, "context_length": 96, "steps": 80, "batch_size": 8, "lr": 0.003, "log_every": 10,
 }
 TINY_TRAIN = {
     "lr": 0.003, "batch_size": 4, "max_steps": 12, "checkpoint_every": 4, "log_every": 4,

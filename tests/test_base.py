@@ -43,7 +43,7 @@ def test_same_settings_give_identical_bytes(tiny_raw, tiny_base, tmp_path):
 
 
 def test_tokenizer_round_trips_the_data(tiny_raw):
-    convs = read_conversations(tiny_raw)
+    convs, _ = read_conversations(tiny_raw)
     texts = [c[0] for c in convs[:50]]
     tok = train_bpe(texts, 512)
     for t in texts:
@@ -68,3 +68,40 @@ def test_deterministic_embedding_matches_the_lookup_in_value_and_gradient():
     g_plain = nn.value_and_grad(plain, lambda m: (m(x) * cot).sum())(plain)[1]["weight"]
     g_onehot = nn.value_and_grad(onehot, lambda m: (m(x) * cot).sum())(onehot)[1]["weight"]
     np.testing.assert_allclose(np.array(g_onehot), np.array(g_plain), rtol=100 * MATMUL_TOL, atol=MATMUL_TOL)
+
+
+def test_raw_rows_are_read_in_every_form_curate_takes(tiny_raw, tmp_path):
+    """data.raw as a folder, a .parquet file or binarized rows: the base stage reads what curate reads (one
+    reader); a malformed line is skipped (and counted) under curate's on_error: skip, named otherwise."""
+    import polars as pl
+    import pytest
+
+    from orpo.io import InputError
+
+    want, _ = read_conversations(tiny_raw)
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    lines = tiny_raw.read_text().splitlines()
+    (folder / "a.jsonl").write_text("\n".join(lines[:60]) + "\n")
+    (folder / "b.jsonl").write_text("\n".join(lines[60:]) + "\n")
+    assert read_conversations(folder)[0] == want
+    rows = [json.loads(x) for x in lines]
+    pl.DataFrame({"instruction": [r["instruction"] for r in rows],
+                  "completions": [[{"response": c["response"]} for c in r["completions"]] for r in rows]}
+                 ).write_parquet(tmp_path / "raw.parquet")
+    assert read_conversations(tmp_path / "raw.parquet")[0] == want
+    binarized = tmp_path / "binarized.jsonl"
+    binarized.write_text(json.dumps({"prompt": "Say hi.", "chosen": [{"role": "user", "content": "Say hi."},
+                                                                     {"role": "assistant", "content": "Hi!"}],
+                                     "rejected": "No."}) + "\n")
+    assert read_conversations(binarized)[0] == [("Say hi.", ["Hi!", "No."])]
+    broken = tmp_path / "broken.jsonl"
+    broken.write_text(lines[0] + "\n{not json\n" + lines[1] + "\n")
+    with pytest.raises(InputError, match="broken.jsonl, line 2"):
+        read_conversations(broken)
+    assert read_conversations(broken, "skip") == (want[:2], 1)
+    (tmp_path / "field.jsonl").write_text(json.dumps({"completions": [{"response": "x"}]}) + "\n")
+    with pytest.raises(InputError, match="field.jsonl, line 1, field 'instruction'"):
+        read_conversations(tmp_path / "field.jsonl")
+    with pytest.raises(InputError, match="no rows \\(1 malformed, skipped\\)"):
+        read_conversations(tmp_path / "field.jsonl", "skip")

@@ -454,10 +454,19 @@ def test_at_least_one_validation_row_from_two_rows(tmp_path, n, expected):
     assert (m["output_rows"]["train"], m["output_rows"]["validation"]) == expected
 
 
-def test_output_schema_and_empty_output(tmp_path):
+def test_output_schema_and_empty_output(tmp_path, capsys):
     src = write_jsonl(tmp_path / "in.jsonl", [raw_row("Nothing usable.", [], id="x")])
-    m = curate([src], str(tmp_path / "out"), {})
-    assert m["output_rows"]["total"] == 0 and counts(m) == {"too_few_completions": 1}
+    with pytest.raises(InputError, match=r"in.jsonl: no training pair left of 1 rows \(dropped: too_few_completions 1\)"):
+        curate([src], str(tmp_path / "out"), {})
+    assert not (tmp_path / "out").exists()  # no empty folder for render and train to find later
+    assert "orpo curate: warning: dropped 1 of 1 rows: too_few_completions 1" in capsys.readouterr().err
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    with pytest.raises(InputError, match="empty.jsonl: no training pair left of 0 rows"):
+        curate([str(empty)], str(tmp_path / "out"), {})
+    src = write_jsonl(tmp_path / "one.jsonl", [two("Tell me a joke.", "Why did the chicken cross the road?", "No.")])
+    m = curate([src], str(tmp_path / "out"), {"validation_fraction": 0.0})
+    assert m["output_rows"]["total"] == 1
     for name in ("train", "validation"):
         schema = pl.read_parquet(tmp_path / "out" / f"{name}.parquet").schema
         assert dict(schema) == {

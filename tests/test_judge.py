@@ -3,6 +3,7 @@
 Each question's first word scripts the judge: win/loss (the ALPHA answer, model a's, is better/worse
 wherever it is shown), tie, first (always [[A]]: position bias), garbage (never a verdict), flaky (no
 verdict on the first ask), http500/http429/slow (fails, or outlasts the timeout, on the first ask).
+A server made with mute=True answers every request with null content, as a misconfigured one can.
 """
 
 from __future__ import annotations
@@ -34,8 +35,8 @@ _SLOT_A = re.compile(r"\[User Question\]\n(.*?)\n\n"
 class ScriptedJudgeServer:
     """/v1/chat/completions on 127.0.0.1, answering from the script; logs every request it receives."""
 
-    def __init__(self, delay_s: float = 0.0):
-        self.delay_s = delay_s
+    def __init__(self, delay_s: float = 0.0, mute: bool = False):
+        self.delay_s, self.mute = delay_s, mute
         self.requests: list[dict] = []
         self.seen: Counter[str] = Counter()
         self.lock = threading.Lock()
@@ -86,6 +87,8 @@ class ScriptedJudgeServer:
                 verdict = {"loss": worse, "tie": "C", "first": "A", "garbage": None,
                            "flaky": None if n == 0 else better}.get(script, better)
                 text = "Both answers are fine. " + (f"My final verdict: [[{verdict}]]" if verdict else "I cannot say.")
+                if server.mute:
+                    text = None
                 self._send(200, {"id": "x", "object": "chat.completion", "model": body["model"], "choices": [
                     {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "stop"}]})
 

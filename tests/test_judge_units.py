@@ -98,6 +98,19 @@ def test_cache_survives_a_torn_last_line(tmp_path):
     assert "k2" in again and again.bad_lines == 1
 
 
+def test_cache_holds_verdicts_only(tmp_path):
+    path = tmp_path / "cache.jsonl"
+    rec = {"key": "k1", "verdict": None, "judgment": "I cannot say.", "rejected": [], "attempts": 1}
+    path.write_text(json.dumps(rec) + "\n")  # a failure cached by an older version
+    cache = VerdictCache(path)
+    assert "k1" not in cache and cache.bad_lines == 0
+    with pytest.raises(ValueError, match="only judgments with a verdict"):
+        cache.append(rec)
+    assert path.read_text().count("\n") == 1
+    cache.append({**rec, "verdict": "tie", "judgment": "[[C]]"})
+    assert VerdictCache(path)["k1"]["verdict"] == "tie"
+
+
 def test_settings_name_the_bad_key():
     base = {"model": "m", "prompts_file": "p.jsonl"}
     assert resolve_settings(base)["template"] == "orpo-pairwise"

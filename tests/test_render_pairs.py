@@ -398,8 +398,25 @@ def test_template_that_drops_the_response_is_counted_not_trained(tmp_path: Path)
     tpl = ("{% for m in messages if m.role != 'assistant' %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"
            "{% endfor %}")
     model = builders.write_model(tmp_path / "m", tok, fam["tokens"], tpl)
-    manifest = render_pairs(model, write_curated(tmp_path / "c", ROWS[:2]), tmp_path / "o", {})
-    assert manifest["dropped"]["nothing_to_score"]["count"] == 2 and manifest["output_rows"] == 0
+    with pytest.raises(ValueError, match="no training pair left.*nothing_to_score"):
+        render_pairs(model, write_curated(tmp_path / "c", ROWS[:2]), tmp_path / "o", {})
+    assert not (tmp_path / "o").exists()  # nothing written: the folder is whole or absent
+
+
+def test_template_that_omits_the_assistants_content_drops_identical_pairs(tmp_path: Path, capsys) -> None:
+    """The assistant's turn rendered without its content: chosen and rejected become the same tokens (only
+    the end-of-turn marker), a pair with nothing to prefer. Each is dropped and counted, the stage warns,
+    and with no pair left it fails instead of training on or_loss = ln 2."""
+    fam = builders.FAMILIES["chatml"]
+    tok = builders.train_bpe(fam["kind"], fam["specials"])
+    tpl = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.role != 'assistant' %}{{ m.content }}{% endif %}"
+           "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    model = builders.write_model(tmp_path / "m", tok, fam["tokens"], tpl)
+    curated = write_curated(tmp_path / "c", ROWS[:3])
+    with pytest.raises(ValueError, match="no training pair left.*identical_responses"):
+        render_pairs(model, curated, tmp_path / "o", {})
+    err = capsys.readouterr().err
+    assert "warning: dropped 3 of 3 pairs: identical_responses 3" in err
 
 
 def test_strftime_template_warns_unless_date_is_pinned(tmp_path: Path) -> None:

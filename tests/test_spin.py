@@ -21,7 +21,7 @@ from orpo.train.trainer import train
 from conftest import TINY_TRAIN
 
 GEN = {"max_tokens": 24, "batch_size": 8}
-FILES = ["manifest.json", "train.parquet", "validation.parquet"]
+FILES = ["complete.json", "manifest.json", "train.parquet", "validation.parquet"]
 
 
 def write_jsonl(path: Path, rows: list) -> Path:

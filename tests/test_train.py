@@ -129,6 +129,68 @@ def test_non_finite_loss_stops_with_a_clear_error(tiny_base, tiny_rendered, tmp_
     assert not (tmp_path / "run").exists()
 
 
+def test_divergence_stops_training_and_keeps_the_last_good_checkpoint(tiny_base, tiny_rendered, tmp_path):
+    """lr 1e4 drives the adapter to a near-uniform model: the validation after it stops the run (exit non-zero
+    from the CLI), with no checkpoint of the diverged weights; with the rule off, the same run completes."""
+    settings = {**TINY_TRAIN, "lr": 1e4, "warmup": 0, "checkpoint_every": 2, "max_steps": 8}
+    with pytest.raises(TrainingError, match=r"training diverged at step \d+: validation (loss|NLL)") as err:
+        train(tiny_base, tiny_rendered, tmp_path / "run", settings)
+    work = tmp_path / "run.partial"
+    assert not (tmp_path / "run").exists() and work.exists()
+    step = int(str(err.value).split("at step ")[1].split(":")[0])
+    index = read_index(work)
+    assert all(int(k) < step for k in index["checkpoints"]) and all(k < step for k in kept_steps(work))
+    train(tiny_base, tiny_rendered, tmp_path / "off", {**settings, "divergence_ratio": 0})
+    final = read_index(tmp_path / "off")
+    assert final["checkpoints"][str(final["final_step"])]["validation"]["nll"] > 0.98 * np.log(512)  # uniform
+
+
+def test_diverged_rules():
+    from orpo.train.trainer import diverged
+    start = {"loss": 0.55, "nll": 0.5}
+    assert diverged({"loss": 7.0, "nll": 6.9}, start, 1024, 3.0).startswith("validation loss 7.0000 is over 3x")
+    assert diverged({"loss": 1.0, "nll": 0.9}, start, 1024, 3.0) is None
+    assert diverged({"loss": 7.0, "nll": 6.9}, start, 1024, 0) is None
+    near_uniform = {"loss": 7.0, "nll": 6.9}  # ln 1024 = 6.93: a model that starts there is not flagged by NLL
+    assert diverged({"loss": 7.1, "nll": 6.92}, near_uniform, 1024, 3.0) is None
+    assert "uniform" in diverged({"loss": 1.6, "nll": 6.8}, {"loss": 0.6, "nll": 3.0}, 1024, 3.0)
+
+
+def test_second_trainer_on_the_same_folder_is_refused(tiny_base, tiny_rendered, tmp_path):
+    """Two runs after an unlocked Snakemake must not share one .partial folder: the second fails at once."""
+    import fcntl
+    out = tmp_path / "run"
+    with open(tmp_path / "run.lock", "a+") as held:
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)  # as a running `orpo train` holds it
+        held.write("4242\n")
+        held.flush()
+        with pytest.raises(TrainingError, match="another orpo train is writing it .*pid 4242"):
+            train(tiny_base, tiny_rendered, out, TINY_TRAIN)
+    assert not (tmp_path / "run.partial").exists()
+    train(tiny_base, tiny_rendered, out, {**TINY_TRAIN, "max_steps": 2, "checkpoint_every": 0})
+    assert (out / "complete.json").is_file() and not (tmp_path / "run.lock").exists()
+
+
+def test_pairs_with_nothing_to_prefer_are_refused(tiny_base, tiny_rendered, tmp_path):
+    import polars as pl
+    same = tmp_path / "rendered"
+    same.mkdir()
+    for split in ("train", "validation"):
+        df = pl.read_parquet(tiny_rendered / f"{split}.parquet")
+        df.with_columns(rejected_ids=pl.col("chosen_ids"), rejected_mask=pl.col("chosen_mask")).write_parquet(
+            same / f"{split}.parquet")
+    with pytest.raises(TrainingError, match="every pair's chosen and rejected tokens are identical"):
+        train(tiny_base, same, tmp_path / "run", TINY_TRAIN)
+
+
+def test_replay_refuses_an_incomplete_run_folder(run, tiny_base, tiny_rendered, tmp_path):
+    partial = tmp_path / "run"
+    shutil.copytree(run, partial)
+    (partial / "complete.json").unlink()  # as left by a job that died after the folder was emptied or rewritten
+    with pytest.raises(ValueError, match="incomplete training run: no complete.json"):
+        replay(partial, tiny_base, tiny_rendered, 4, "zero")
+
+
 def test_batch_schedule_is_seeded_complete_and_groups_lengths():
     rng = np.random.default_rng(0)
     lengths = rng.integers(10, 400, size=203).tolist()

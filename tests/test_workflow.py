@@ -143,7 +143,7 @@ def test_judge_rules_against_a_real_server(workflow_run):
 def test_spin_iteration_runs_in_the_dag_and_its_pairs_train(workflow_run):
     spin = {"limit": 24, "max_tokens": 24, "validation_fraction": 0.2}
     (workflow_run / "spin.yaml").write_text(yaml.safe_dump({**MICRO, "spin": spin}))
-    result = snakemake(workflow_run, "results/spin/iter1/run", config=("spin.yaml",))
+    result = snakemake(workflow_run, "results/spin/iter1/run/complete.json", config=("spin.yaml",))
     assert result.returncode == 0, result.stderr[-3000:]
     manifest = json.loads((workflow_run / "results" / "spin" / "iter1" / "pairs" / "manifest.json").read_text())
     dropped = sum(v["count"] for v in manifest["dropped"].values())

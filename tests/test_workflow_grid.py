@@ -28,7 +28,7 @@ def test_two_lambdas_compute_upstream_once_and_train_to_ifeval_twice(tmp_path):
                                   "train": 2, "replay": 2, "generate_orpo": 2, "ifeval": 2, "plots": 2, "all": 1}
     paths = outputs(result)
     assert {"results/lam01/ifeval.json", "results/lam05/ifeval.json",
-            "results/lam01/train/run", "results/lam05/train/run"} <= set(paths)
+            "results/lam01/train/run/complete.json", "results/lam05/train/run/complete.json"} <= set(paths)
     shared = [p for p in paths if p.startswith("results/shared/")]
     assert len(shared) == 5 and all(re.match(r"results/shared/[0-9a-f]{10}/", p) for p in shared)
 

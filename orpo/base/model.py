@@ -19,31 +19,69 @@ from mlx_lm.utils import save_config, save_model
 
 from orpo.base.tokenizer import CHAT_TEMPLATE, EOS_TOKEN, save_tokenizer, train_bpe
 from orpo.config import section_defaults
-from orpo.io import InputError, atomic_path, read_jsonl, write_json
+from orpo.folders import mark_complete
+from orpo.io import InputError, atomic_path, write_json
+from orpo.rows import iter_items
 from orpo.optim import lr_schedule, warmup_steps_for
 
 DEFAULTS: dict[str, Any] = section_defaults("base")
 
 
-def read_conversations(raw_path: str | Path) -> list[tuple[str, list[str]]]:
-    """(instruction, [completion responses]) per raw UltraFeedback row."""
-    out = []
-    for lineno, row in read_jsonl(raw_path):
-        instruction = row.get("instruction")
+def read_conversations(raw: str | Path, on_error: str = "raise") -> tuple[list[tuple[str, list[str]]], int]:
+    """(instruction, responses) per raw row, read as curate reads them (orpo.rows: a .jsonl/.json/.parquet file,
+    a folder of them, a hub id): an UltraFeedback row gives its completions, a binarized row its last user
+    turn with chosen and rejected. Returns them and the count of malformed rows skipped (on_error "skip",
+    curate's setting: both stages then read the same rows); with "raise" a bad row names file, line and field.
+    """
+    out, skipped = [], 0
+    for item in iter_items([str(raw)], on_error):
+        if item.error is not None:
+            skipped += 1
+            continue
+        try:
+            out.append(_conversation(item.row))
+        except InputError as e:
+            if on_error == "raise":
+                raise item.located(e.field, e.reason) from None
+            skipped += 1
+    if not out:
+        raise InputError(raw, None, None, "no rows" + (f" ({skipped} malformed, skipped)" if skipped else ""))
+    return out, skipped
+
+
+def _conversation(row: dict) -> tuple[str, list[str]]:
+    """One row's (instruction, responses); InputError(field) for a missing or mistyped field (no path yet)."""
+
+    def bad(field: str, message: str) -> InputError:
+        return InputError("", None, field, message)
+
+    if "completions" in row:
+        instruction, comps = row.get("instruction"), row["completions"]
         if not isinstance(instruction, str):
-            raise InputError(raw_path, lineno, "instruction", "missing or not a string")
-        comps = row.get("completions")
+            raise bad("instruction", "missing or not a string")
         if not isinstance(comps, list) or not comps:
-            raise InputError(raw_path, lineno, "completions", "missing or empty list")
-        responses = []
+            raise bad("completions", "missing or empty list")
         for i, c in enumerate(comps):
             if not isinstance(c, dict) or not isinstance(c.get("response"), str):
-                raise InputError(raw_path, lineno, f"completions[{i}].response", "missing or not a string")
-            responses.append(c["response"])
-        out.append((instruction, responses))
-    if not out:
-        raise InputError(raw_path, None, None, "no rows")
-    return out
+                raise bad(f"completions[{i}].response", "missing or not a string")
+        return instruction, [c["response"] for c in comps]
+    responses = []
+    for key in ("chosen", "rejected"):
+        value = row.get(key)
+        if isinstance(value, list) and value and isinstance(value[-1], dict):
+            value = value[-1].get("content")  # a conversation ending in the assistant turn
+        if not isinstance(value, str):
+            raise bad(key, "missing, or neither a string nor a conversation ending in a message")
+        responses.append(value)
+    prompt = row.get("prompt")
+    if not isinstance(prompt, str):  # a message list, or the turns before a conversation's response
+        turns = prompt if isinstance(prompt, list) else row["chosen"][:-1] if isinstance(row["chosen"], list) else []
+        users = [t["content"] for t in turns
+                 if isinstance(t, dict) and t.get("role") == "user" and isinstance(t.get("content"), str)]
+        prompt = users[-1] if users else None
+    if prompt is None:
+        raise bad("prompt", "missing: no user turn before the responses")
+    return prompt, responses
 
 
 def render_chat(instruction: str, response: str) -> str:
@@ -78,7 +116,7 @@ def model_args(s: dict[str, Any], vocab_size: int, eos_id: int) -> dict[str, Any
         "num_key_value_heads": s["num_heads"],
         "rms_norm_eps": 1e-5,
         "vocab_size": vocab_size,
-        "max_position_embeddings": s["max_length"],
+        "max_position_embeddings": s["context_length"],
         "rope_theta": 10000.0,
         "tie_word_embeddings": True,
         "torch_dtype": "float32",
@@ -132,10 +170,14 @@ def packed_chunks(encoded: list[list[list[int]]], s: dict[str, Any]) -> np.ndarr
     return np.stack(chunks[:need]).reshape(s["steps"], s["batch_size"], width)
 
 
-def build_base(raw_path: str | Path, out_dir: str | Path, settings: dict[str, Any]) -> dict[str, Any]:
-    """Write an HF-style model folder (config, weights, tokenizer with chat template) warmed up on raw rows."""
+def build_base(raw_path: str | Path, out_dir: str | Path, settings: dict[str, Any],
+               on_error: str = "raise") -> dict[str, Any]:
+    """Write an HF-style model folder (config, weights, tokenizer with chat template) warmed up on raw rows.
+
+    The folder replaces `out_dir` only when complete (orpo.folders): a failed rebuild keeps the model there.
+    """
     s = {**DEFAULTS, **settings}
-    convs = read_conversations(raw_path)
+    convs, skipped = read_conversations(raw_path, on_error)
     texts = [render_chat(ins, r) for ins, rs in convs for r in rs]
     tok = train_bpe(texts, s["vocab_size"])
     eos_id = tok.token_to_id(EOS_TOKEN)
@@ -180,7 +222,7 @@ def build_base(raw_path: str | Path, out_dir: str | Path, settings: dict[str, An
     tokens_seen = batches.size
 
     manifest = {
-        "rows": len(convs), "texts": len(texts), "vocab_size": tok.get_vocab_size(),
+        "rows": len(convs), "malformed_skipped": skipped, "texts": len(texts), "vocab_size": tok.get_vocab_size(),
         "parameters": int(n_params), "steps": steps, "tokens_seen": tokens_seen,
         "final_loss": log[-1]["loss"], "seconds": round(time.time() - t0, 1), "settings": s,
     }
@@ -192,4 +234,5 @@ def build_base(raw_path: str | Path, out_dir: str | Path, settings: dict[str, An
         (tmp / "generation_config.json").write_text(json.dumps({"eos_token_id": eos_id}) + "\n")
         write_json(tmp / "warmup_log.json", log)
         write_json(tmp / "manifest.json", manifest)
+        mark_complete(tmp, "base")
     return manifest

@@ -7,6 +7,7 @@ duplicates, decontamination) run after the per-row ones, in input order.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Mapping
 from typing import Any
 
@@ -15,12 +16,13 @@ import polars as pl
 from orpo.curate import filters
 from orpo.curate.decontam import Decontaminator
 from orpo.curate.drops import Drops
-from orpo.curate.read import Item, describe, iter_items
+from orpo.rows import Item, describe, iter_items
 from orpo.curate.recipes import RECIPES
 from orpo.curate.schema import FieldError, Pair, detect_form, parse_binarized, parse_raw
 from orpo.curate.settings import resolve_settings
 from orpo.curate.tokens import TokenCounter
 from orpo.curate.write import split, write_pairs
+from orpo.io import InputError
 
 
 def _parse(item: Item, recipe: str) -> tuple[str, Any]:
@@ -198,5 +200,20 @@ def curate(
     train, val = split(pairs, seed, s["validation_fraction"])
 
     manifest = _manifest(s, input_rows, len(train), len(val), drops, sources, forms, questions, counter, decon)
+    report_drops("curate", input_rows, drops)
+    if not train:
+        raise InputError(", ".join(inputs), None, None, f"no training pair left of {input_rows} rows"
+                         + (f" (dropped: {_reasons(drops)})" if drops.total() else ""))
     write_pairs(out_dir, "curate", train, val, manifest, input_rows, drops.total())
     return manifest
+
+
+def _reasons(drops: Drops) -> str:
+    return ", ".join(f"{r} {n}" for r, n in drops.counts.items() if n)
+
+
+def report_drops(stage: str, input_rows: int, drops: Drops) -> None:
+    """One warning line on stderr (the stage's log under Snakemake) when rows were dropped."""
+    if drops.total():
+        print(f"orpo {stage}: warning: dropped {drops.total()} of {input_rows} rows: {_reasons(drops)}",
+              file=sys.stderr)

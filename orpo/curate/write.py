@@ -9,6 +9,7 @@ from pathlib import Path
 import polars as pl
 
 from orpo.curate.schema import Pair
+from orpo.folders import mark_complete
 from orpo.io import atomic_path, write_json
 
 SCHEMA = {
@@ -81,3 +82,4 @@ def write_pairs(out_dir: str | Path, stage: str, train: list[Pair], validation: 
         write_parquet(tmp / "train.parquet", train)
         write_parquet(tmp / "validation.parquet", validation)
         write_json(tmp / "manifest.json", manifest)
+        mark_complete(tmp, stage)

@@ -15,6 +15,10 @@ Decisions (see the functions for details):
   0 for template text after it. After a prefix mismatch the mask starts at the content.
 - Length: the prompt is left-truncated (a leading BOS kept); responses are never cut; a row whose longer
   response leaves no room for a prompt token is dropped (`response_too_long`).
+- Degenerate rows are dropped and counted: nothing before the response (`empty_prompt`), no response token
+  (`nothing_to_score`), chosen and rejected rendered to the same tokens (`identical_responses`). Drops and a
+  response text the rendering does not contain (`content_not_located`) are printed as warnings; a render
+  that leaves no training pair fails.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import sys
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +36,7 @@ import polars as pl
 from tokenizers import Tokenizer
 
 from orpo.config import section_defaults
+from orpo.folders import mark_complete
 from orpo.io import InputError, atomic_path, sha256_file, write_json, write_text
 from orpo.render.template import (
     ChatTemplate,
@@ -381,6 +387,9 @@ def _drop_reason(pair: EncodedPair, cfg: dict, bos_id: int | None) -> str | None
         reason = "empty_prompt"  # the template rendered nothing before the response
     if reason is None and not (any(pair.chosen.mask) and any(pair.rejected.mask)):
         reason = "nothing_to_score"  # the template rendered no response tokens
+    if reason is None and pair.chosen.ids == pair.rejected.ids:
+        # Nothing to prefer: a template that drops the assistant's content renders every pair so.
+        reason = "identical_responses"
     return reason
 
 
@@ -452,19 +461,22 @@ def render_pairs(model_dir: str | os.PathLike, curated_dir: str | os.PathLike, o
         outputs[split] = kept
         splits[split] = {"input_rows": len(rows), "output_rows": len(kept), "dropped": split_dropped.counts}
 
-    for split, pairs in outputs.items():
-        _write_split(out / f"{split}.parquet", pairs)
-
-    picked = (outputs["train"] + outputs["validation"])[: cfg["samples"]]
-    header = (f"# {len(picked)} rendered rows. ⟦SEAM⟧ = where the prompt ends; «» = scored tokens "
-              f"(mask 1); token strings marked * are scored.\n# template: {template.source}\n\n")
-    write_text(out / "samples.txt", header + "\n".join(_sample(p, tokenizer, i + 1) for i, p in enumerate(picked)))
-
+    input_rows = sum(s["input_rows"] for s in splits.values())
     warnings = []
     if "strftime_now" in template.variables and "date_string" not in cfg["template_kwargs"]:
         warnings.append("the template calls strftime_now: rendered text may contain today's date; "
                         "set template_kwargs.date_string to make the output reproducible")
-    input_rows = sum(s["input_rows"] for s in splits.values())
+    if stats.get("content_not_located")["count"]:
+        warnings.append(f"{stats.get('content_not_located')['count']} pairs' response text was not found in the "
+                        "template's rendering (does the template write the assistant's content?)")
+    if dropped.total():
+        warnings.append(f"dropped {dropped.total()} of {input_rows} pairs: "
+                        + ", ".join(f"{k} {v['count']}" for k, v in sorted(dropped.counts.items())))
+    for line in warnings:
+        print(f"orpo render: warning: {line}", file=sys.stderr)
+    if input_rows and not outputs["train"]:
+        raise ValueError(f"render: no training pair left of {splits['train']['input_rows']} "
+                         f"(dropped: {splits['train']['dropped']}); template {template.source}")
     manifest = {
         "input_rows": input_rows,
         "output_rows": sum(s["output_rows"] for s in splits.values()),
@@ -481,5 +493,14 @@ def render_pairs(model_dir: str | os.PathLike, curated_dir: str | os.PathLike, o
         "warnings": warnings,
     }
     assert manifest["input_rows"] == manifest["output_rows"] + dropped.total()
-    write_json(out / "manifest.json", manifest)
+    picked = (outputs["train"] + outputs["validation"])[: cfg["samples"]]
+    header = (f"# {len(picked)} rendered rows. ⟦SEAM⟧ = where the prompt ends; «» = scored tokens "
+              f"(mask 1); token strings marked * are scored.\n# template: {template.source}\n\n")
+    with atomic_path(out) as tmp:  # the folder whole or not at all (orpo.folders)
+        tmp.mkdir()
+        for split, pairs in outputs.items():
+            _write_split(tmp / f"{split}.parquet", pairs)
+        write_text(tmp / "samples.txt", header + "\n".join(_sample(p, tokenizer, i + 1) for i, p in enumerate(picked)))
+        write_json(tmp / "manifest.json", manifest)
+        mark_complete(tmp, "render")
     return manifest

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from orpo.curate import filters
-from orpo.curate.read import describe, iter_items
+from orpo.rows import describe, iter_items
 from orpo.curate.schema import FieldError, Pair
 from orpo.curate.tokens import TokenCounter
 from orpo.curate.write import split, write_pairs

@@ -8,6 +8,7 @@ The trainer starts a step, prepares the next while the device runs it, then read
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -183,6 +184,17 @@ def _optimizers(opt: optim.Optimizer) -> list[optim.Optimizer]:
     return list(opt.optimizers) if isinstance(opt, optim.MultiOptimizer) else [opt]
 
 
+def _refuse_identical(pairs: Pairs, path: Path) -> None:
+    """Pairs whose chosen and rejected are the same tokens teach nothing (or_loss stays ln 2): warn, or refuse all."""
+    same = sum(c == r for c, r in zip(pairs.chosen, pairs.rejected))
+    if same == len(pairs):
+        raise TrainingError(f"{path}: every pair's chosen and rejected tokens are identical: nothing to prefer "
+                            "(the render stage drops such pairs; was this file rendered another way?)")
+    if same:
+        print(f"orpo train: warning: {same} of {len(pairs)} pairs in {path} have identical chosen and rejected "
+              "tokens", file=sys.stderr)
+
+
 def build_session(base_dir: str | Path, rendered_dir: str | Path, settings: dict[str, Any]) -> Session:
     """Load the base model, add LoRA (warm-started if asked), and set up the optimizer and the step order."""
     s = resolve_settings(settings)
@@ -197,6 +209,7 @@ def build_session(base_dir: str | Path, rendered_dir: str | Path, settings: dict
     # Replay reads the settings back from here too, so the adapter records what produced it.
     adapter_config["orpo_train"] = s
     train = load_pairs(Path(rendered_dir) / "train.parquet")
+    _refuse_identical(train, Path(rendered_dir) / "train.parquet")
     # Grouping by length saves padding but makes batches homogeneous; on the embedded data it slowed
     # learning more than it sped up steps (docs/embedded-default.md), so it is opt-in. Within a step the
     # micro-batches are cut by length whatever this says (Session.micro_batches).

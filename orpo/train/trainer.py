@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
+import math
+import os
 import shutil
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import mlx.core as mx
 
 from orpo.engine.objective import is_plain
+from orpo.folders import mark_complete, require_complete
 from orpo.io import atomic_path, sha256_file, write_json
 from orpo.train.checkpoint import (kept_steps, load_checkpoint, prune_checkpoints, read_index, resolve_step,
                                    save_checkpoint, step_dir)
@@ -37,10 +42,49 @@ def train(base_dir: str | Path, rendered_dir: str | Path, out_dir: str | Path, s
     started again with the same settings, and the folder is renamed to `out_dir` when the run completes.
     With several ranks only rank 0 evaluates, logs and writes (and returns the index); the others compute
     their shards, return None, and read the folder only to resume from the checkpoint rank 0 chose.
+    Rank 0 holds `<out_dir>.lock` throughout (`work_lock`). A non-finite step or a diverged validation
+    (`diverged`) stops the run with TrainingError, its checkpoints so far kept in the work folder.
     """
     out_dir = Path(out_dir)
     work = out_dir.with_name(out_dir.name + ".partial")
     sess = build_session(base_dir, rendered_dir, settings)
+    if sess.shard.is_main:
+        with work_lock(out_dir):
+            return _train(sess, base_dir, rendered_dir, out_dir, work)
+    return _train(sess, base_dir, rendered_dir, out_dir, work)
+
+
+@contextlib.contextmanager
+def work_lock(out_dir: Path) -> Iterator[None]:
+    """Hold `<out_dir>.lock` exclusively while training: a second `orpo train` on the same folder fails at
+    once, instead of both adopting the same `.partial` work folder. The file goes when the run ends."""
+    path = out_dir.with_name(out_dir.name + ".lock")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    while True:
+        f = open(path, "a+", encoding="utf-8")
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            holder = f.read().strip() or "?"
+            f.close()
+            raise TrainingError(f"{out_dir}: another orpo train is writing it (lock {path} held by pid {holder}); "
+                                "wait for it or stop it") from None
+        if path.exists() and os.stat(path).st_ino == os.fstat(f.fileno()).st_ino:
+            break
+        f.close()  # the run before removed the file between our open and our lock: lock the new one
+    try:
+        f.truncate(0)
+        f.write(f"{os.getpid()}\n")
+        f.flush()
+        yield
+    finally:
+        path.unlink(missing_ok=True)  # while still locked: whoever opens it next locks a new file
+        f.close()
+
+
+def _train(sess: Session, base_dir: str | Path, rendered_dir: str | Path, out_dir: Path,
+           work: Path) -> dict[str, Any] | None:
     s = sess.s
     # The engine as decided on this machine ("auto" settings depend on the device): same loss either way.
     record = {"settings": s, "engine_resolved": sess.engine, "base": str(base_dir),
@@ -84,6 +128,12 @@ def train(base_dir: str | Path, rendered_dir: str | Path, out_dir: str | Path, s
                 v = sess.evaluate(val)
                 metrics_file.write(json.dumps({"step": step, "split": "validation", **v}) + "\n")
                 metrics_file.flush()
+                why = diverged(v, index["baseline"], sess.model.args.vocab_size, s["divergence_ratio"])
+                if why:
+                    kept = [k for k in kept_steps(work) if str(k) in index["checkpoints"]]
+                    raise TrainingError(f"training diverged at step {step}: {why}; no checkpoint saved for it, "
+                                        f"the last good one is {f'step {kept[-1]}' if kept else 'none (the start)'} "
+                                        f"in {work} (lower train.lr, or set train.divergence_ratio: 0 to go on)")
                 sha = save_checkpoint(work, step, sess.model, sess.opt, sess.adapter_config,
                                       {"epoch_of_step": _epoch_of(sess, step), "seed": s["seed"]})
                 index["checkpoints"][str(step)] = {"sha256": sha, "validation": v}
@@ -101,11 +151,34 @@ def train(base_dir: str | Path, rendered_dir: str | Path, out_dir: str | Path, s
     final = step_dir(work, sess.total_steps)
     shutil.copy2(final / "adapters.safetensors", work / "adapters.safetensors")
     shutil.copy2(final / "adapter_config.json", work / "adapter_config.json")
+    mark_complete(work, "train")
     if out_dir.exists():
         shutil.rmtree(out_dir)
     work.rename(out_dir)
     sess.shard.barrier()  # every rank returns only once the run folder is complete
     return index
+
+
+def diverged(v: dict[str, float], start: dict[str, float], vocab: int, ratio: float) -> str | None:
+    """Why validation metrics `v` count as diverged from the run's start, or None (ratio 0: never).
+
+    Two rules: the validation loss above `ratio` times the start's, or the validation NLL at ln(vocab),
+    what a model predicting every token uniformly scores, reached from below (a base model that starts
+    near uniform is not flagged by it).
+    """
+    if ratio <= 0:
+        return None
+    if start["loss"] > 0 and v["loss"] > ratio * start["loss"]:
+        return f"validation loss {v['loss']:.4f} is over {ratio:g}x the start's {start['loss']:.4f}"
+    uniform = math.log(vocab)
+    if v["nll"] >= UNIFORM_SHARE * uniform > start["nll"]:
+        return (f"validation NLL {v['nll']:.4f} reached ln(vocab {vocab}) = {uniform:.4f}, a uniform model's "
+                f"(it started at {start['nll']:.4f})")
+    return None
+
+
+# The share of ln(vocab) at which a validation NLL counts as a uniform model's.
+UNIFORM_SHARE = 0.98
 
 
 def _compiles(sess: Session) -> bool:
@@ -206,7 +279,7 @@ def replay(
     """
     if from_ not in ("previous", "zero"):
         raise ValueError(f"replay from {from_!r}: use 'previous' or 'zero'")
-    run_dir = Path(run_dir)
+    run_dir = require_complete(run_dir, "training run")
     record = json.loads((run_dir / "settings.json").read_text())
     index = read_index(run_dir)
     target = resolve_step(index, which)

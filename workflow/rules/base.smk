@@ -3,10 +3,12 @@ rule base:
     input:
         raw=shared(L.raw_input),
     output:
-        directory("results/{up}base/model"),
+        marker("results/{up}base/model"),
     params:
+        out=lambda wildcards, output: folder(output[0]),
         raw=shared(L.raw),
         settings=shared(lambda n: section(n, "base")),
+        on_error=shared(lambda n: L.config(n)["curate"]["on_error"]),  # the rows curate reads, the same way
         code=CODE["base"],
     threads: workflow.cores
     log:
@@ -14,4 +16,5 @@ rule base:
     benchmark:
         "benchmarks/{up}base.tsv"
     shell:
-        "orpo base --raw {params.raw} --out {output} --settings {params.settings:q} > {log} 2>&1"
+        "orpo base --raw {params.raw} --on-error {params.on_error} --out {params.out} --settings {params.settings:q} "
+        "> {log} 2>&1"

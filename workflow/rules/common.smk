@@ -9,6 +9,7 @@ import os
 import sys
 
 from orpo.config import ConfigError, validate_config
+from orpo.folders import MARKER, marker
 from orpo.experiments import Layout, prompt_rendering
 from orpo.versions import code_version
 
@@ -31,6 +32,11 @@ for _cfg in [config, *L.configs.values()]:
                 raise WorkflowError(f"config error: {_section}.{_key}: an experiment may set a local .jsonl; "
                                     f"a folder or hub id ({_source}) goes in the top-level config")
             _cfg[_section][_key] = NORMALISED_PROMPTS[_section]
+
+
+def folder(path):
+    """The folder a rule reads or writes: a declared marker's parent (orpo/folders.py), else the path itself."""
+    return os.path.dirname(path) if os.path.basename(path) == MARKER else path
 
 
 def source_input(source):
@@ -112,7 +118,7 @@ def spin_adapter(wildcards):
     """The generator of iteration k: iteration k-1's run; iteration 1: spin.adapter, or the base model."""
     k = int(wildcards.k)
     if k > 1:
-        return [f"results/{wildcards.exp}spin/iter{k - 1}/run"]
+        return [marker(f"results/{wildcards.exp}spin/iter{k - 1}/run")]
     adapter = L.config(L.name(wildcards.exp))["spin"]["adapter"]
     return [adapter] if adapter else []
 
@@ -121,4 +127,4 @@ def spin_train_settings(wildcards):
     """config.train warm-started from the generator's adapter: iteration k trains on from iteration k-1."""
     previous = spin_adapter(wildcards)
     train = L.config(L.name(wildcards.exp))["train"]
-    return json.dumps({**train, "init_adapter": previous[0] if previous else None}, sort_keys=True)
+    return json.dumps({**train, "init_adapter": folder(previous[0]) if previous else None}, sort_keys=True)

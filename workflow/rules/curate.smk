@@ -5,8 +5,9 @@ rule curate:
         model=shared(L.model_input),
         eval_prompts=shared(lambda n: L.config(n)["eval"]["prompts"]),
     output:
-        directory("results/{up}curated"),
+        marker("results/{up}curated"),
     params:
+        out=lambda wildcards, output: folder(output[0]),
         raw=shared(L.raw),
         model=shared(L.model_ref),
         settings=shared(lambda n: section(n, "curate")),
@@ -16,5 +17,5 @@ rule curate:
     benchmark:
         "benchmarks/{up}curate.tsv"
     shell:
-        "orpo curate --inputs {params.raw} --out {output} --tokenizer-from {params.model} "
+        "orpo curate --inputs {params.raw} --out {params.out} --tokenizer-from {params.model} "
         "--eval-prompts {input.eval_prompts} --settings {params.settings:q} > {log} 2>&1"

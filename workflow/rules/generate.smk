@@ -31,7 +31,7 @@ rule generate_orpo:
     input:
         model=per_exp(L.model_input),
         prompts=lambda wc: L.prompt_set(L.name(wc.exp), wc.set)[0],
-        run="results/{exp}train/run",
+        run=marker("results/{exp}train/run"),
         replay="results/{exp}train/replay.json",
     output:
         "results/{exp}generations/{set}/orpo.jsonl",
@@ -41,6 +41,7 @@ rule generate_orpo:
         render=per_exp(rendering),
         limit=lambda wc: L.prompt_set(L.name(wc.exp), wc.set)[1],
         checkpoint=per_exp(lambda n: L.config(n)["generate"]["adapter"]),
+        run=lambda wildcards, input: folder(input.run),
         code=CODE["generate"],
     threads: workflow.cores
     log:
@@ -48,6 +49,6 @@ rule generate_orpo:
     benchmark:
         "benchmarks/{exp}generate_orpo_{set}.tsv"
     shell:
-        "orpo generate --model {params.model} --adapter {input.run} --checkpoint {params.checkpoint} "
+        "orpo generate --model {params.model} --adapter {params.run} --checkpoint {params.checkpoint} "
         "--prompts {input.prompts} --label orpo --limit {params.limit} "
         "--render-settings {params.render:q} --out {output} --settings {params.settings:q} > {log} 2>&1"

@@ -5,8 +5,9 @@ rule ifeval:
         orpo="results/{exp}generations/ifeval/orpo.jsonl",
     output:
         summary="results/{exp}ifeval.json",
-        details=directory("results/{exp}ifeval"),
+        details=marker("results/{exp}ifeval"),
     params:
+        details=lambda wildcards, output: folder(output.details),
         limit=per_exp(lambda n: L.config(n)["eval"]["limit"]),
         code=CODE["ifeval"],
     log:
@@ -15,7 +16,7 @@ rule ifeval:
         "benchmarks/{exp}ifeval.tsv"
     shell:
         "orpo ifeval compare --inputs {input.prompts} --generations base={input.base} orpo={input.orpo} "
-        "--limit {params.limit} --out {output.summary} --details {output.details} > {log} 2>&1"
+        "--limit {params.limit} --out {output.summary} --details {params.details} > {log} 2>&1"
 
 
 # eval.prompts given as a dataset folder or hub id: normalised to IFEval's input format (see common.smk).

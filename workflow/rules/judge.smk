@@ -7,6 +7,7 @@ rule judge_prompts:
     output:
         "results/{up}judge/prompts.jsonl",
     params:
+        questions=lambda wildcards, input: folder(input.questions),
         prompt_set=shared(lambda n: L.config(n)["judge"]["prompt_set"]),
         code=CODE["judge"],
     log:
@@ -14,7 +15,7 @@ rule judge_prompts:
     benchmark:
         "benchmarks/{up}judge_prompts.tsv"
     shell:
-        "orpo judge prompts --prompt-set {params.prompt_set} --questions {input.questions} --out {output} > {log} 2>&1"
+        "orpo judge prompts --prompt-set {params.prompt_set} --questions {params.questions} --out {output} > {log} 2>&1"
 
 
 # The outputs are files, not the folder: a failed run must not delete the verdict cache beside them.
@@ -27,6 +28,7 @@ rule judge:
         summary="results/{exp}judge/summary.json",
         verdicts="results/{exp}judge/verdicts.jsonl",
     params:
+        questions=lambda wildcards, input: folder(input.questions),
         settings=per_exp(lambda n: section(n, "judge")),
         out="results/{exp}judge",
         code=CODE["judge"],
@@ -36,7 +38,7 @@ rule judge:
     benchmark:
         "benchmarks/{exp}judge.tsv"
     shell:
-        "orpo judge run --questions {input.questions} --a orpo={input.orpo} --b base={input.base} "
+        "orpo judge run --questions {params.questions} --a orpo={input.orpo} --b base={input.base} "
         "--out {params.out} --settings {params.settings:q} > {log} 2>&1"
 
 

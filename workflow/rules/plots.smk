@@ -3,10 +3,10 @@
 # (they are not rule outputs Snakemake can track); the stage outputs they describe are the inputs.
 rule plots:
     input:
-        run="results/{exp}train/run",
+        run=marker("results/{exp}train/run"),
         ifeval="results/{exp}ifeval.json",
-        curated=per_exp(L.curated),
-        rendered=per_exp(L.rendered),
+        curated=per_exp(lambda n: marker(L.curated(n))),
+        rendered=per_exp(lambda n: marker(L.rendered(n))),
     output:
         training=report("results/{exp}plots/training.png", caption="../report/training.rst",
                         category="Training", subcategory="{exp}"),
@@ -25,14 +25,17 @@ rule plots:
     params:
         benchmarks=per_exp(lambda n: " ".join(f"{rule}={path}" for rule, path in L.benchmarks(n).items())),
         out="results/{exp}plots",
+        run=lambda wildcards, input: folder(input.run),
+        curated=lambda wildcards, input: folder(input.curated),
+        rendered=lambda wildcards, input: folder(input.rendered),
         code=CODE["report"],
     log:
         "logs/{exp}plots.log",
     benchmark:
         "benchmarks/{exp}plots.tsv"
     shell:
-        "orpo report plots --run {input.run} --ifeval {input.ifeval} --curated {input.curated} "
-        "--rendered {input.rendered} --benchmarks {params.benchmarks} --out {params.out} > {log} 2>&1"
+        "orpo report plots --run {params.run} --ifeval {input.ifeval} --curated {params.curated} "
+        "--rendered {params.rendered} --benchmarks {params.benchmarks} --out {params.out} > {log} 2>&1"
 
 
 # Judge win rates (needs judge.model; `snakemake results/[<experiment>/]plots/judge.png`).

@@ -1,10 +1,12 @@
 rule render:
     input:
-        curated=shared(L.curated),
+        curated=shared(lambda n: marker(L.curated(n))),
         model=shared(L.model_input),
     output:
-        directory("results/{up}rendered"),
+        marker("results/{up}rendered"),
     params:
+        curated=lambda wildcards, input: folder(input.curated),
+        out=lambda wildcards, output: folder(output[0]),
         model=shared(L.model_ref),
         settings=shared(lambda n: section(n, "render")),
         code=CODE["render"],
@@ -13,5 +15,5 @@ rule render:
     benchmark:
         "benchmarks/{up}render.tsv"
     shell:
-        "orpo render --model {params.model} --curated {input.curated} --out {output} "
+        "orpo render --model {params.model} --curated {params.curated} --out {params.out} "
         "--settings {params.settings:q} > {log} 2>&1"

@@ -17,11 +17,12 @@ rule spin_pairs:
         model=per_exp(L.model_input),
         adapter=spin_adapter,
     output:
-        directory("results/{exp}spin/iter{k}/pairs"),
+        marker("results/{exp}spin/iter{k}/pairs"),
     params:
+        out=lambda wildcards, output: folder(output[0]),
         sft=per_exp(spin_sft_arg),
         model=per_exp(L.model_ref),
-        adapter=lambda wildcards, input: f"--adapter {input.adapter}" if input.adapter else "",
+        adapter=lambda wildcards, input: f"--adapter {folder(input.adapter)}" if input.adapter else "",
         render=per_exp(rendering),
         settings=per_exp(spin_settings),
         code=CODE["spin"],
@@ -32,16 +33,18 @@ rule spin_pairs:
         "benchmarks/{exp}spin_pairs_iter{k}.tsv"
     shell:
         "orpo spin --sft {params.sft} --model {params.model} {params.adapter} --render-settings {params.render:q} "
-        "--iteration {wildcards.k} --out {output} --settings {params.settings:q} > {log} 2>&1"
+        "--iteration {wildcards.k} --out {params.out} --settings {params.settings:q} > {log} 2>&1"
 
 
 rule spin_render:
     input:
-        pairs="results/{exp}spin/iter{k}/pairs",
+        pairs=marker("results/{exp}spin/iter{k}/pairs"),
         model=per_exp(L.model_input),
     output:
-        directory("results/{exp}spin/iter{k}/rendered"),
+        marker("results/{exp}spin/iter{k}/rendered"),
     params:
+        pairs=lambda wildcards, input: folder(input.pairs),
+        out=lambda wildcards, output: folder(output[0]),
         model=per_exp(L.model_ref),
         settings=per_exp(lambda n: section(n, "render")),
         code=CODE["render"],
@@ -50,18 +53,20 @@ rule spin_render:
     benchmark:
         "benchmarks/{exp}spin_render_iter{k}.tsv"
     shell:
-        "orpo render --model {params.model} --curated {input.pairs} --out {output} "
+        "orpo render --model {params.model} --curated {params.pairs} --out {params.out} "
         "--settings {params.settings:q} > {log} 2>&1"
 
 
 rule spin_train:
     input:
-        rendered="results/{exp}spin/iter{k}/rendered",
+        rendered=marker("results/{exp}spin/iter{k}/rendered"),
         model=per_exp(L.model_input),
         previous=spin_adapter,
     output:
-        directory("results/{exp}spin/iter{k}/run"),
+        marker("results/{exp}spin/iter{k}/run"),
     params:
+        rendered=lambda wildcards, input: folder(input.rendered),
+        out=lambda wildcards, output: folder(output[0]),
         model=per_exp(L.model_ref),
         settings=spin_train_settings,
         code=CODE["train"],
@@ -71,7 +76,7 @@ rule spin_train:
     benchmark:
         "benchmarks/{exp}spin_train_iter{k}.tsv"
     shell:
-        "orpo train --model {params.model} --rendered {input.rendered} --out {output} "
+        "orpo train --model {params.model} --rendered {params.rendered} --out {params.out} "
         "--settings {params.settings:q} > {log} 2>&1"
 
 
@@ -79,10 +84,11 @@ rule spin_generate:
     input:
         model=per_exp(L.model_input),
         prompts=per_exp(lambda n: L.config(n)["eval"]["prompts"]),
-        run="results/{exp}spin/iter{k}/run",
+        run=marker("results/{exp}spin/iter{k}/run"),
     output:
         "results/{exp}spin/iter{k}/generations.jsonl",
     params:
+        run=lambda wildcards, input: folder(input.run),
         model=per_exp(L.model_ref),
         settings=per_exp(lambda n: section(n, "generate")),
         render=per_exp(rendering),
@@ -94,7 +100,7 @@ rule spin_generate:
     benchmark:
         "benchmarks/{exp}spin_generate_iter{k}.tsv"
     shell:
-        "orpo generate --model {params.model} --adapter {input.run} --prompts {input.prompts} --label spin{wildcards.k} "
+        "orpo generate --model {params.model} --adapter {params.run} --prompts {input.prompts} --label spin{wildcards.k} "
         "--limit {params.limit} --render-settings {params.render:q} --out {output} --settings {params.settings:q} > {log} 2>&1"
 
 
@@ -105,8 +111,9 @@ rule spin_ifeval:
         spin="results/{exp}spin/iter{k}/generations.jsonl",
     output:
         summary="results/{exp}spin/iter{k}/ifeval.json",
-        details=directory("results/{exp}spin/iter{k}/ifeval"),
+        details=marker("results/{exp}spin/iter{k}/ifeval"),
     params:
+        details=lambda wildcards, output: folder(output.details),
         limit=per_exp(lambda n: L.config(n)["eval"]["limit"]),
         code=CODE["ifeval"],
     log:
@@ -115,4 +122,4 @@ rule spin_ifeval:
         "benchmarks/{exp}spin_ifeval_iter{k}.tsv"
     shell:
         "orpo ifeval compare --inputs {input.prompts} --generations base={input.base} spin{wildcards.k}={input.spin} "
-        "--limit {params.limit} --out {output.summary} --details {output.details} > {log} 2>&1"
+        "--limit {params.limit} --out {output.summary} --details {params.details} > {log} 2>&1"

@@ -8,7 +8,8 @@ from typing import Any
 from orpo.eval.ifeval.bootstrap import METRICS, bootstrap_ci, bootstrap_diff
 from orpo.eval.ifeval.score import read_responses, score_to_dir
 from orpo.eval.ifeval.source import load_inputs
-from orpo.io import write_json
+from orpo.folders import mark_complete
+from orpo.io import atomic_path, write_json
 
 
 def compare_models(
@@ -24,16 +25,19 @@ def compare_models(
     inputs = inputs[:limit] if limit > 0 else inputs
     scored: dict[str, tuple[list[dict], list[dict]]] = {}
     models: dict[str, Any] = {}
-    for label, path in generations.items():
-        strict, loose, summary = score_to_dir(inputs, read_responses(path), Path(details_dir) / label)
-        scored[label] = (strict, loose)
-        models[label] = {
-            **{m: summary[m] for m in METRICS},
-            "prompts": summary["prompts"], "instructions": summary["instructions"],
-            "ci95": bootstrap_ci(strict, loose, n_resamples=n_resamples, seed=seed),
-            "by_instruction_strict": {k: v["accuracy"] for k, v in summary["strict"]["by_instruction"].items()},
-            "generations": str(path),
-        }
+    with atomic_path(details_dir) as tmp:  # the details folder whole or not at all (orpo.folders)
+        tmp.mkdir()
+        for label, path in generations.items():
+            strict, loose, summary = score_to_dir(inputs, read_responses(path), tmp / label)
+            scored[label] = (strict, loose)
+            models[label] = {
+                **{m: summary[m] for m in METRICS},
+                "prompts": summary["prompts"], "instructions": summary["instructions"],
+                "ci95": bootstrap_ci(strict, loose, n_resamples=n_resamples, seed=seed),
+                "by_instruction_strict": {k: v["accuracy"] for k, v in summary["strict"]["by_instruction"].items()},
+                "generations": str(path),
+            }
+        mark_complete(tmp, "ifeval")
     labels = list(generations)
     reference = labels[0]
     differences = {

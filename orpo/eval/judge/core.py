@@ -3,10 +3,12 @@
 Outputs: `verdicts.jsonl` (per question and order: the judgment text, the parsed verdict, attempts) and
 `summary.json` (outcome counts and rates with bootstrap intervals), each written atomically. The verdict
 cache (default OUT/cache.jsonl) is appended in place as judgments finish; see cache.py for why.
+A run that ends with no verdict at all raises NoVerdicts (no outputs); one with some warns on stderr.
 """
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -19,6 +21,10 @@ from orpo.eval.judge.summary import outcome, summarize, winner
 from orpo.io import write_json, write_jsonl
 
 ORDERS = ("ab", "ba")  # "ab": model a's answer shown as Assistant A; "ba": swapped
+
+
+class NoVerdicts(RuntimeError):
+    """Not one judgment of the run has a verdict: a summary would measure the judge's failure, not the models."""
 
 
 class Judge(Protocol):
@@ -66,9 +72,11 @@ def judge_pairs(
     items = _items(questions, answers_a, answers_b, prompt, judge.identity)
     cache = VerdictCache(s["cache"] or out_dir / "cache.jsonl")
     pending = list({it.key: it for it in items if it.key not in cache}.values())
-    _judge_all(judge, pending, cache, s["max_parse_retries"], len(items))
+    failed = _judge_all(judge, pending, cache, s["max_parse_retries"], len(items))
+    records = {it.key: cache[it.key] if it.key in cache else failed[it.key] for it in items}
+    _check_verdicts(items, records, judge.identity)
 
-    rows, outcomes = _rows(items, cache, labels)
+    rows, outcomes = _rows(items, records, labels)
     summary = {
         **summarize(outcomes, s["n_resamples"], s["seed"]),
         "models": {"a": labels[0], "b": labels[1]},
@@ -127,8 +135,30 @@ def _items(questions: list[Question], answers_a: dict[str, str], answers_b: dict
     return items
 
 
-def _judge_all(judge: Judge, items: list[_Item], cache: VerdictCache, max_parse_retries: int, total: int) -> None:
-    """Ask the judge for each item, a chunk at a time; re-ask unparseable ones; cache each as it finishes."""
+def _check_verdicts(items: list[_Item], records: dict[str, dict[str, Any]], identity: dict[str, Any]) -> None:
+    """Raise NoVerdicts when no judgment has a verdict; warn on stderr, naming how many, when some lack one."""
+    missing = [it for it in items if records[it.key]["verdict"] is None]
+    if not missing:
+        return
+    judge = ", ".join(f"{k} {identity[k]}" for k in ("kind", "model", "base_url") if k in identity)
+    last = records[missing[-1].key]
+    if len(missing) == len(items):
+        raise NoVerdicts(f"judge: no verdict in any of the {len(items)} judgments ({judge}), so no summary is "
+                         f"written; the last answer, after {last['attempts']} attempt(s), was "
+                         f"{last['judgment'][-200:]!r}: check the judge's model, server and template")
+    questions = list(dict.fromkeys(it.question.id for it in missing))
+    print(f"judge: warning: {len(missing)} of {len(items)} judgments have no verdict ({judge}); "
+          f"{len(questions)} question(s) left out of the rates: {', '.join(questions[:5])}"
+          f"{', ...' if len(questions) > 5 else ''}", file=sys.stderr, flush=True)
+
+
+def _judge_all(judge: Judge, items: list[_Item], cache: VerdictCache, max_parse_retries: int,
+               total: int) -> dict[str, dict[str, Any]]:
+    """Ask the judge for each item, a chunk at a time; re-ask unparseable ones; cache each verdict as it arrives.
+
+    Returns the judgments that still have no verdict: kept for this run's outputs, never cached.
+    """
+    failed: dict[str, dict[str, Any]] = {}
     done = total - len(items)
     for start in range(0, len(items), judge.chunk_size):
         todo = items[start : start + judge.chunk_size]
@@ -142,21 +172,27 @@ def _judge_all(judge: Judge, items: list[_Item], cache: VerdictCache, max_parse_
                     rejected[it.key].append(text)
                     retry.append(it)
                     continue
-                cache.append({"key": it.key, "verdict": verdict, "judgment": text, "rejected": rejected[it.key],
-                              "attempts": attempt + 1})
+                record = {"key": it.key, "verdict": verdict, "judgment": text, "rejected": rejected[it.key],
+                          "attempts": attempt + 1}
+                if verdict is None:
+                    failed[it.key] = record
+                else:
+                    cache.append(record)
             todo = retry
             if not todo:
                 break
         done += min(judge.chunk_size, len(items) - start)
         print(f"judge: {done}/{total} judgments", flush=True)
+    return failed
 
 
-def _rows(items: list[_Item], cache: VerdictCache, labels: tuple[str, str]) -> tuple[list[dict[str, Any]], list[str]]:
+def _rows(items: list[_Item], records: dict[str, dict[str, Any]],
+          labels: tuple[str, str]) -> tuple[list[dict[str, Any]], list[str]]:
     """Verdict rows (question order, then ab, ba) and each question's outcome for model a."""
     name = {"a": labels[0], "b": labels[1]}
     rows, outcomes = [], []
     for first, second in zip(items[::2], items[1::2], strict=True):
-        recs = [cache[first.key], cache[second.key]]
+        recs = [records[first.key], records[second.key]]
         winners = [winner(r["verdict"], it.order) for r, it in zip(recs, (first, second), strict=True)]
         result = outcome(*winners)
         outcomes.append(result)

@@ -48,9 +48,9 @@ class HttpJudge:
         key = api_key(s)
         if key:
             self._headers["Authorization"] = f"Bearer {key}"
-        # What decides the judgments (the server's address does not).
-        self.identity = {"kind": "openai", "model": self.model, "max_tokens": self.max_tokens,
-                         "temperature": self.temperature}
+        # What decides the judgments, and so keys the cache: which server, which model there, how it samples.
+        self.identity = {"kind": "openai", "base_url": s["base_url"].rstrip("/"), "model": self.model,
+                         "max_tokens": self.max_tokens, "temperature": self.temperature}
 
     def complete(self, chats: list[list[dict[str, str]]], attempt: int = 0) -> list[str]:
         """One judgment text per chat, requests `concurrency` at a time."""

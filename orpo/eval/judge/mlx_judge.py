@@ -44,7 +44,10 @@ class MlxJudge:
 
 
 def _weights_fingerprint(model: str | Path) -> str:
-    """Cheap identity of a local model folder (config bytes, weight file names and sizes); the name for a hub id."""
+    """Cheap identity of a local model folder (config bytes, weight file names, sizes, mtimes); the name for a hub id.
+
+    The mtime tells retrained weights of the same shapes apart; a copied folder merely misses the cache.
+    """
     root = Path(model)
     if not root.is_dir():
         return str(model)
@@ -53,5 +56,6 @@ def _weights_fingerprint(model: str | Path) -> str:
         if (root / name).exists():
             h.update((root / name).read_bytes())
     for f in sorted(root.glob("*.safetensors")):
-        h.update(f"{f.name}:{f.stat().st_size}".encode())
+        st = f.stat()
+        h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns}".encode())
     return h.hexdigest()[:16]

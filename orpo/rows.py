@@ -1,4 +1,5 @@
-"""Where curate's rows come from: local .jsonl/.json/.parquet files, folders of them, or hub ids.
+"""Where raw rows come from, for every stage that reads them (base, curate, spin): local .jsonl/.json/.parquet
+files, folders of them, or hub ids (the forms `data.raw` takes).
 
 Rows are streamed as Items in input order. A row that cannot be read (bad JSON, not UTF-8, not an
 object) is an Item with `error` set when on_error="skip"; with "raise" it raises InputError. Problems
@@ -98,7 +99,8 @@ def _hub(spec: str) -> Iterator[Item]:
         yield Item(spec, None, i, dict(row), None, spec)
 
 
-def _files(spec: str) -> list[str]:
+def data_files(spec: str) -> list[str]:
+    """The data files of a local input (itself, or a folder's, sorted); InputError for none or an unreadable kind."""
     p = Path(spec)
     if p.is_dir():
         found = sorted(
@@ -121,7 +123,7 @@ def describe(spec: str) -> dict:
     if is_hub_dataset(spec):
         name, _, split = spec.partition(":")
         return {"input": spec, "kind": "hub", "dataset": name, "split": split or "train"}
-    files = _files(spec)
+    files = data_files(spec)
     kind = "folder" if Path(spec).is_dir() else Path(spec).suffix.lstrip(".")
     return {"input": spec, "kind": kind, "files": [{"path": f, "sha256": sha256_file(f)} for f in files]}
 
@@ -132,7 +134,7 @@ def iter_items(inputs: list[str], on_error: str) -> Iterator[Item]:
         if is_hub_dataset(spec):
             yield from _hub(spec)
             continue
-        for path in _files(spec):
+        for path in data_files(spec):
             suffix = Path(path).suffix
             if suffix == ".jsonl":
                 yield from _jsonl(path, spec, on_error)

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from orpo.blas import reexec_with_openblas
+from orpo.config import SPIN_DAG_KEYS
 
 
 def _settings(text: str) -> dict[str, Any]:
@@ -35,7 +36,6 @@ def _settings(text: str) -> dict[str, Any]:
 # What each command's JSON arguments hold: (argument attribute, option, schema section, keys left out).
 # They are exactly what the workflow's rules pass (workflow/rules/*.smk): a config section, spin's less
 # the keys that shape the DAG (common.smk's spin_settings), render's prompt keys for --render-settings.
-SPIN_DAG_KEYS = ("iterations", "sft", "adapter")
 CHECKED = {
     "data": [("settings", "--settings", "data", ())],
     "curate": [("settings", "--settings", "curate", ())],

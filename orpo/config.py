@@ -17,6 +17,8 @@ from orpo.io import InputError
 from orpo.rows import data_files
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
+# Keys of config.spin that shape the DAG (how many iterations, what they start from), not the spin stage.
+SPIN_DAG_KEYS = ("iterations", "sft", "adapter")
 SCHEMA_PATH = PROJECT_ROOT / "workflow" / "schemas" / "config.schema.yaml"
 EMBEDDED_EVAL_PROMPTS = PROJECT_ROOT / "data" / "eval" / "ifeval_prompts.jsonl"
 

@@ -74,15 +74,22 @@ def generate(
     skipped = set(too_long)
     cut = [i for i, b in enumerate(budgets) if i not in skipped and b < s["max_tokens"]]
     where = f"{gen.context} positions, {gen.context_source}"
+
+    def named(idx: list[int], show_budget: bool = False) -> list[str]:
+        """The first prompts of `idx` as warnings and stats name them."""
+        return [_named(located[i][1].get("key"), located[i][0], len(ids[i]), budgets[i] if show_budget else None)
+                for i in idx[:MAX_EXAMPLES]]
+
+    def listed(idx: list[int], show_budget: bool = False) -> str:
+        return ", ".join(named(idx, show_budget)) + (", ..." if len(idx) > MAX_EXAMPLES else "")
+
     if too_long and len(too_long) == len(ids):
         shortest = min(len(x) for x in ids)
         raise InputError(prompts_path, None, "prompt", f"none of the {len(ids)} prompts fits the model's context "
                          f"({where}): the shortest renders to {shortest} tokens")
     if too_long:
         print(f"{name}: warning: {len(too_long)} of {len(ids)} prompts fill the model's context ({where}) and are "
-              f"not generated (empty response, scored as not followed): "
-              + ", ".join(_named(located[i][1].get("key"), located[i][0], len(ids[i])) for i in too_long[:MAX_EXAMPLES])
-              + (", ..." if len(too_long) > MAX_EXAMPLES else ""), file=sys.stderr, flush=True)
+              f"not generated (empty response, scored as not followed): {listed(too_long)}", file=sys.stderr, flush=True)
 
     kept = [i for i in range(len(ids)) if i not in skipped]
     texts, counts, stats = generate_counted(gen, [ids[i] for i in kept], s, label=name,
@@ -92,9 +99,7 @@ def generate(
     if cut:
         print(f"{name}: warning: {len(cut)} of {len(ids)} prompts leave less than max_tokens {s['max_tokens']} in "
               f"the model's context ({where}): generated up to what fits, {len(reached)} responses stopped there: "
-              + ", ".join(_named(located[i][1].get("key"), located[i][0], len(ids[i]), budgets[i])
-                          for i in (reached or cut)[:MAX_EXAMPLES])
-              + (", ..." if len(reached or cut) > MAX_EXAMPLES else ""), file=sys.stderr, flush=True)
+              f"{listed(reached or cut, True)}", file=sys.stderr, flush=True)
 
     provenance = {"model": str(model), "adapter": str(adapter) if adapter else None, "label": label}
 
@@ -109,12 +114,7 @@ def generate(
 
     write_jsonl(out_path, (row(i) for i in range(len(ids))))
 
-    def tally(idx: list[int], show_budget: bool = False) -> dict[str, Any]:
-        return {"count": len(idx), "examples": [
-            _named(located[i][1].get("key"), located[i][0], len(ids[i]), budgets[i] if show_budget else None)
-            for i in idx[:MAX_EXAMPLES]]}
-
     return {**stats, "prompts": len(ids), "generated_prompts": len(kept),
             "context": {"positions": gen.context, "source": gen.context_source},
-            "dropped": {"prompt_too_long": tally(too_long)},
-            "budget_cut": {**tally(cut, True), "reached": len(reached)}}
+            "dropped": {"prompt_too_long": {"count": len(too_long), "examples": named(too_long)}},
+            "budget_cut": {"count": len(cut), "examples": named(cut, True), "reached": len(reached)}}

@@ -8,7 +8,7 @@ import json
 import os
 import sys
 
-from orpo.config import ConfigError, validate_config
+from orpo.config import SPIN_DAG_KEYS, ConfigError, validate_config
 from orpo.folders import MARKER, marker
 from orpo.experiments import Layout, prompt_rendering
 from orpo.versions import code_version
@@ -93,7 +93,6 @@ def experiment_targets(rel):
     return [L.path(name, rel) for name in L.configs]
 
 
-SPIN_DAG_KEYS = ("iterations", "sft", "adapter")
 
 
 def spin_settings(name):

@@ -93,9 +93,10 @@ def write_model(shape: Shape, out: Path, seed: int) -> None:
 
 
 def settings_for(batch: int, accum: int, steps: int, engine: dict[str, Any]) -> dict[str, Any]:
-    """The train settings of a case: LoRA rank 16 on the seven projections, one checkpoint at the end."""
+    """The train settings of a case: LoRA rank 16 on the seven projections, one checkpoint at the end, every step
+    flushed to metrics.jsonl (so a run cut short still reports its steps)."""
     return {"lr": 1e-5, "batch_size": batch, "grad_accum": accum, "epochs": 1, "max_steps": steps,
-            "checkpoint_every": 0, "log_every": 10, "warmup": 0, "lora": LORA, "engine": engine}
+            "checkpoint_every": 0, "log_every": 1, "warmup": 0, "lora": LORA, "engine": engine}
 
 
 def steady(lines: list[dict[str, Any]], skip: int) -> dict[str, Any]:
@@ -141,7 +142,8 @@ def run_train(model: Path, rendered: Path, out: Path, settings: dict[str, Any], 
     metrics = folder / "metrics.jsonl"
     lines = [json.loads(x) for x in metrics.read_text().splitlines() if x.strip()] if metrics.exists() else []
     train = [x for x in lines if x.get("split") == "train"]
-    series = {k: [x[k] for x in train] for k in ("elapsed_s", "new_shapes", "positions", "row_tokens")
+    series = {k: [x[k] for x in train] for k in ("elapsed_s", "new_shapes", "positions", "row_tokens",
+                                                 "active_memory_mb", "cache_memory_mb", "peak_memory_mb")
               if train and k in train[0]}
     result: dict[str, Any] = {"wall_s": wall, "series": series}
     if failed:
@@ -203,12 +205,16 @@ def profile(model: Path, rendered: Path, settings: dict[str, Any], steps: int) -
         times.setdefault(name, []).append(1000 * (time.perf_counter() - t0))
         return out
 
-    def eager_update(grads: Any) -> Any:  # the loop before its update was compiled: clip, read, update, eval
+    per_matrix = optim.AdamW(1e-5)  # mlx's AdamW, one update per weight matrix, on a copy of the weights
+    per_matrix.init(params())
+    per_matrix_compiled = mx.compile(lambda g, w: per_matrix.apply_gradients(optim.clip_grad_norm(g, 1.0)[0], w),
+                                     inputs=[per_matrix.state], outputs=[per_matrix.state])
+
+    def eager_update(grads: Any) -> Any:  # per matrix and uncompiled: clip, read the norm, update
         grads, norm = optim.clip_grad_norm(grads, 1.0)
         mx.eval(norm)
         norm.item()
-        sess.opt.update(sess.model, grads)
-        return params(), sess.opt.state
+        return per_matrix.apply_gradients(grads, params()), per_matrix.state
 
     for step in range(1, steps + 1):
         batches = timed("host: rows of the step (prepare)", lambda: sess.prepare(step), device=False)
@@ -216,8 +222,9 @@ def profile(model: Path, rendered: Path, settings: dict[str, Any], steps: int) -
         (_, metrics), grads = timed("forward + backward", lambda: batch_value_and_grad(
             sess.model, batches[0], sess.s["lambda"], sess.engine))
         timed("clip alone (compiled)", lambda: clip(grads))
-        timed("clip + update, compiled (the trainer's)", lambda: [sess.update_fn()(grads), params(), sess.opt.state])
-        timed("clip + read + update, uncompiled (before)", lambda: eager_update(grads))
+        timed("clip + update, flat and compiled (the trainer's)", lambda: [sess.update_fn()(grads), sess.opt.state])
+        timed("clip + update, per matrix, compiled", lambda: [per_matrix_compiled(grads, params()), per_matrix.state])
+        timed("clip + read + update, per matrix, uncompiled", lambda: eager_update(grads))
         timed("metrics read", lambda: [v.item() for v in metrics.values()], device=False)
         timed("log line", lambda: json.dumps({k: round(v.item(), 6) for k, v in metrics.items()}), device=False)
         timed("engine bench's step (pack + value_and_grad)", lambda: pair_value_and_grad(
@@ -232,6 +239,55 @@ def profile(model: Path, rendered: Path, settings: dict[str, Any], steps: int) -
         timed("whole step, next rows prepared while it runs (the trainer's loop)", overlapped, device=False)
     skip = min(2, steps - 1)
     return {name: statistics.median(v[skip:]) for name, v in times.items()}
+
+
+def new_shape_costs(model: Path, rendered: Path, settings: dict[str, Any], count: int) -> list[dict[str, Any]]:
+    """What meeting a new padded shape costs: for the first `count` distinct micro-batch shapes of the epoch, the
+    step's first and second evaluation, cuDNN-style attention alone (forward and backward) at that width, first
+    and second, and how many device kernels were compiled meanwhile (files added to MLX's PTX cache)."""
+    import glob
+
+    import mlx.core as mx
+
+    from orpo.engine.objective import batch_value_and_grad
+    from orpo.train.session import build_session
+
+    sess = build_session(model, rendered, settings)
+    ptx = lambda: sum(len(os.listdir(d)) for d in glob.glob(os.path.join(tempfile.gettempdir(), "mlx", "*", "ptx")))  # noqa: E731
+    args = sess.model.args
+    heads, dim = args.num_attention_heads, args.hidden_size // args.num_attention_heads
+
+    def timed(fn: Any) -> float:
+        t0 = time.perf_counter()
+        mx.eval(fn())
+        return time.perf_counter() - t0
+
+    out: list[dict[str, Any]] = []
+    seen: set = set()
+    widths: set = set()
+    for step in range(1, sess.total_steps + 1):
+        for j, b in enumerate(sess.prepare(step)):
+            sig = b.signature()
+            if sig in seen:
+                continue
+            seen.add(sig)
+            files = ptx()
+            sess.keys.at(step, j)
+            step_fn = lambda: batch_value_and_grad(sess.model, b, sess.s["lambda"], sess.engine)  # noqa: E731
+            row = {"signature": repr(sig), "first_s": timed(step_fn), "again_s": timed(step_fn)}
+            rows, width = b.packed.layout.tokens.shape if b.packed is not None else b.plain[0].shape
+            if width not in widths:
+                widths.add(width)
+                q = mx.random.normal((rows, heads, width, dim)).astype(mx.bfloat16)
+                attn = mx.grad(lambda x: mx.fast.scaled_dot_product_attention(x, x, x, scale=dim**-0.5,
+                                                                            mask="causal").astype(mx.float32).sum())
+                row["attention_first_s"], row["attention_again_s"] = timed(lambda: attn(q)), timed(lambda: attn(q))
+            row["ptx_files_added"] = ptx() - files
+            print(json.dumps(row), file=sys.stderr, flush=True)
+            out.append(row)
+            if len(out) >= count:
+                return out
+    return out
 
 
 def main() -> None:
@@ -250,11 +306,17 @@ def main() -> None:
     ap.add_argument("--timeout", type=int, default=600, help="seconds per orpo train run")
     ap.add_argument("--work", help="folder for models, data and runs (default: a temporary one)")
     ap.add_argument("--json", help="write the results here")
+    ap.add_argument("--new-shapes", type=int, default=0, metavar="N",
+                    help="also time what the ultrafeedback epoch's first N new shapes cost (first vs second step)")
     ap.add_argument("--profile-child", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.profile_child:
         job = json.loads(a.profile_child)
-        print(json.dumps(profile(Path(job["model"]), Path(job["rendered"]), job["settings"], job["steps"])))
+        if "new_shapes" in job:
+            print(json.dumps(new_shape_costs(Path(job["model"]), Path(job["rendered"]), job["settings"],
+                                             job["new_shapes"])))
+        else:
+            print(json.dumps(profile(Path(job["model"]), Path(job["rendered"]), job["settings"], job["steps"])))
         return
     from orpo.blas import reexec_with_openblas
 
@@ -326,6 +388,23 @@ def main() -> None:
         lines = proc.stdout.strip().splitlines()
         results["profile"] = json.loads(lines[-1]) if proc.returncode == 0 and lines else \
             {"failed": (proc.stderr.strip().splitlines() or ["?"])[-1][:200]}
+        save()
+    if a.new_shapes:
+        rendered = work / "rendered-ultrafeedback"
+        if not rendered.exists():
+            write_rendered(rendered, draw, shape.vocab, 2)
+        job = {"model": str(model), "rendered": str(rendered), "new_shapes": a.new_shapes,
+               "settings": settings_for(4, 8, 0, engine)}
+        try:
+            proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--profile-child", json.dumps(job)],
+                                  capture_output=True, text=True, timeout=a.timeout, cwd=ROOT)
+            lines = proc.stdout.strip().splitlines()
+            results["new_shapes"] = json.loads(lines[-1]) if proc.returncode == 0 and lines else \
+                {"failed": (proc.stderr.strip().splitlines() or ["?"])[-1][:200]}
+        except subprocess.TimeoutExpired as e:
+            results["new_shapes"] = {"failed": f"timed out after {a.timeout} s",
+                                     "rows": [json.loads(x) for x in (e.stderr or b"").decode().splitlines()
+                                              if x.startswith("{")]}
         save()
     print()
     print(format_report(results))

@@ -9,10 +9,9 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-import mlx.optimizers as optim
-from mlx.utils import tree_flatten, tree_unflatten
 
 from orpo.io import atomic_path, sha256_file, write_json
+from orpo.optim import FlatAdamW
 from orpo.train.lora import load_adapter_weights, save_adapter
 
 
@@ -22,25 +21,24 @@ def step_dir(run_dir: Path, step: int) -> Path:
 
 
 def save_checkpoint(
-    run_dir: Path, step: int, model: nn.Module, opt: optim.Optimizer, adapter_config: dict[str, Any],
+    run_dir: Path, step: int, model: nn.Module, opt: FlatAdamW, adapter_config: dict[str, Any],
     state: dict[str, Any],
 ) -> str:
     """Write the checkpoint at `step` atomically; returns the sha256 of its adapters.safetensors."""
     with atomic_path(step_dir(run_dir, step)) as tmp:
         tmp.mkdir()
         save_adapter(model, adapter_config, tmp)
-        opt_state = dict(sorted(tree_flatten(opt.state)))
-        mx.save_safetensors(str(tmp / "optimizer.safetensors"), opt_state)
+        mx.save_safetensors(str(tmp / "optimizer.safetensors"), dict(sorted(opt.state_dict().items())))
         write_json(tmp / "state.json", {**state, "step": step})
         sha = sha256_file(tmp / "adapters.safetensors")
     return sha
 
 
-def load_checkpoint(run_dir: Path, step: int, model: nn.Module, opt: optim.Optimizer) -> dict[str, Any]:
+def load_checkpoint(run_dir: Path, step: int, model: nn.Module, opt: FlatAdamW) -> dict[str, Any]:
     """Restore adapter weights and optimizer state of `step`; returns its state.json."""
     d = step_dir(run_dir, step)
     load_adapter_weights(model, d)
-    opt.state = tree_unflatten(list(mx.load(str(d / "optimizer.safetensors")).items()))
+    opt.load_state_dict(model, mx.load(str(d / "optimizer.safetensors")))
     return json.loads((d / "state.json").read_text())
 
 

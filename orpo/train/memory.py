@@ -47,9 +47,16 @@ class CachePolicy:
             self._set(int(gb * GB), 0)
 
     def start(self) -> None:
-        """Note what is resident before the first step; the run's peak counts from here."""
+        """Note what is resident before the first step; the run's peak counts from here. With auto, the first
+        step (its peak not yet known) caches at most what fits beside the resident arrays under HEADROOM."""
         self.resident = mx.get_active_memory()
         mx.reset_peak_memory()
+        if self.setting == "auto":
+            current = mx.set_cache_limit(0)  # read it (MLX has no getter); set below
+            self._set(int(max(0, min(current, self._ceiling() - self.resident))), 0)
+
+    def _ceiling(self) -> float:
+        return min(HEADROOM * device_memory(), mx.get_memory_limit())
 
     def update(self, step: int) -> None:
         """After a step: with auto, a new peak raises (or, near the ceiling, lowers) the cache limit."""
@@ -59,8 +66,7 @@ class CachePolicy:
         if peak <= self.peak_seen:
             return
         self.peak_seen = peak
-        ceiling = min(HEADROOM * device_memory(), mx.get_memory_limit())
-        self._set(int(max(0, min(ceiling - peak, 2 * (peak - self.resident)))), step)
+        self._set(int(max(0, min(self._ceiling() - peak, 2 * (peak - self.resident)))), step)
 
     def _set(self, limit: int, step: int) -> None:
         if limit != self.limit:

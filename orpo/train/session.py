@@ -15,8 +15,6 @@ from typing import Any, Callable
 
 import mlx.core as mx
 import mlx.nn as nn
-import mlx.optimizers as optim
-from mlx.utils import tree_flatten
 from mlx_lm.utils import load_model
 
 from orpo.batching import batch_schedule
@@ -25,7 +23,7 @@ from orpo.engine.objective import (MicroBatch, batch_value_and_grad, check_atten
                                    resolve_engine, tight_rows_fit)
 from orpo.engine.queue import memory_limit
 from orpo.io import sha256_file
-from orpo.optim import lora_adamw, warmup_steps_for
+from orpo.optim import FlatAdamW, lora_adamw, warmup_steps_for
 from orpo.render.template import resolve_model_dir
 from orpo.train.accumulate import accumulate_grads
 from orpo.train.data import Pairs, load_pairs, pair_lengths, pair_tokens
@@ -73,7 +71,7 @@ class Session:
 
     s: dict[str, Any]
     model: nn.Module
-    opt: optim.Optimizer
+    opt: FlatAdamW
     adapter_config: dict[str, Any]
     train: Pairs
     schedule: list[list[int]]
@@ -82,7 +80,7 @@ class Session:
     shard: Shard = field(default_factory=Shard)
     # Distinct micro-batch shapes seen (each a compiled trace when the engine compiles).
     signatures: set = field(default_factory=set)
-    _update: tuple[list[int], Callable] | None = field(default=None, repr=False)
+    _update: tuple[int, Callable] | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         self.engine = resolve_engine(self.s["engine"])  # "auto" decided once, on this machine
@@ -130,7 +128,7 @@ class Session:
             metrics = {**metrics, "grad_norm": grad_norm, "lr": lr}
             metrics["finite"] = mx.all(mx.isfinite(mx.stack([v.astype(mx.float32) for v in metrics.values()])))
             # Encoded now (under the memory limit), waited for in StepResult.read.
-            mx.async_eval(metrics, self.model.trainable_parameters(), self.opt.state)
+            mx.async_eval(metrics, self.opt.state)
         counts["tokens"] = counts.pop("scored")
         return StepResult(step, metrics, counts)
 
@@ -141,25 +139,15 @@ class Session:
     def update_fn(self) -> Callable:
         """Clip and optimizer update as one compiled function of the gradients (the state read and written in place).
 
-        Kept per optimizer-state object: a checkpoint restore replaces the state, and the next call compiles anew.
+        Compiled anew whenever the optimizer took its weights from the model again (a start, a checkpoint restore).
         """
-        parts = _optimizers(self.opt)
-        states = [o.state for o in parts]
-        if self._update is None or [id(x) for x in states] != self._update[0]:
-            if not all(states):
-                self.opt.init(self.model.trainable_parameters())
+        if not self.opt.attached:
+            self.opt.attach(self.model)
+        if self._update is None or self._update[0] != self.opt.attached:
             clip = float(self.s["grad_clip"])
-
-            def update(grads: Any) -> tuple[mx.array, mx.array]:
-                if clip > 0:
-                    grads, grad_norm = optim.clip_grad_norm(grads, clip)
-                else:
-                    grad_norm = mx.sqrt(sum((g * g).sum() for _, g in tree_flatten(grads)))
-                self.opt.update(self.model, grads)
-                return grad_norm, parts[-1].learning_rate  # the rate this update used (the A matrices' under LoRA+)
-
-            state = [self.model.state, *states]
-            self._update = ([id(x) for x in states], mx.compile(update, inputs=state, outputs=state))
+            state = [self.model.state, self.opt.state]
+            compiled = mx.compile(lambda grads: self.opt.update(self.model, grads, clip), inputs=state, outputs=state)
+            self._update = (self.opt.attached, compiled)
         return self._update[1]
 
     def evaluate(self, pairs: Pairs) -> dict[str, float]:
@@ -177,11 +165,6 @@ class Session:
         _, metrics = orpo_loss(mx.concatenate(lw), mx.concatenate(lr), self.s["lambda"])
         mx.eval(metrics)
         return {k: round(v.item(), 6) for k, v in metrics.items()}
-
-
-def _optimizers(opt: optim.Optimizer) -> list[optim.Optimizer]:
-    """The optimizers holding state: LoRA+'s two, or the one."""
-    return list(opt.optimizers) if isinstance(opt, optim.MultiOptimizer) else [opt]
 
 
 def _refuse_identical(pairs: Pairs, path: Path) -> None:

@@ -48,7 +48,7 @@ from orpo.device import cuda_available
 from orpo.train.data import Pairs
 
 from orpo.engine.head import fused_logp, fused_logp_eager, lm_head_of
-from orpo.engine.objective import PLAIN, pair_value_and_grad, resolve_engine
+from orpo.engine.objective import PLAIN, pair_value_and_grad
 
 # Every case starts from the naive engine (not the schema's defaults, which switch techniques on), so
 # "naive" is the plain path and each other case names exactly the techniques it turns on. Width multiple
@@ -125,7 +125,6 @@ def run_head_case(case: Case, steps: int, warmup: int, seed: int) -> dict[str, A
     from orpo.train.head import mean_logps_from_logits
 
     engine = {**ENGINE_DEFAULTS, **case.engine}
-    kernel = bool(resolve_engine(engine)["head_kernel"])  # auto: the CUDA kernel on a CUDA GPU
     shape = case.shape
     model = build_model(shape, seed, layers=1)  # only its output projection is used
     model.freeze()
@@ -139,16 +138,14 @@ def run_head_case(case: Case, steps: int, warmup: int, seed: int) -> dict[str, A
         head, path = lm_head_of(model), f"engine.head eager c{engine['head_chunk']}"
 
         def eager_step() -> tuple[mx.array, mx.array]:
-            logp, grad_fn = fused_logp_eager(head, h, targets, int(engine["head_chunk"]),
-                                             float(engine["softmax_skip_eps"]), int(engine["overlap"]), kernel)
+            logp, grad_fn = fused_logp_eager(head, h, targets, int(engine["head_chunk"]), int(engine["overlap"]))
             return logp.mean(), grad_fn(mx.full(logp.shape, 1.0 / m))
 
         out, (loss, _) = _timed(eager_step, steps, warmup)
         return {**out, "path": path, "loss": loss.item(), "tokens_per_s": m / out["step_s"]}
     if engine["head"] == "fused":
         head, path = lm_head_of(model), f"engine.head c{engine['head_chunk']}"
-        loss = lambda x: fused_logp(head, x, targets, int(engine["head_chunk"]),
-                                    float(engine["softmax_skip_eps"]), kernel).mean()
+        loss = lambda x: fused_logp(head, x, targets, int(engine["head_chunk"])).mean()
     else:
         project = model.model.embed_tokens.as_linear if shape.tied else model.lm_head
         path = "train.head (logits)"

@@ -109,7 +109,7 @@ CPU_SMALL = Shape(hidden=256, layers=4, heads=4, kv_heads=2, intermediate=768, v
 
 
 def _main_cases(shape: Shape, segment_layers: int, limit_gb: float, sweep_gb: tuple[float, ...] = ()) -> list[Case]:
-    """Naive, each technique alone, all together (with and without blockwise attention).
+    """Naive, each technique alone, all together.
 
     `limit_gb`: the memory limit (train.engine.memory_limit_gb) of the queued lean variant, set under the
     peer's checkpointed peak on the GPU shape; `sweep_gb`: more limits, each with overlap 1 and 4.
@@ -130,15 +130,11 @@ def _main_cases(shape: Shape, segment_layers: int, limit_gb: float, sweep_gb: tu
         # The memory end of the trade-off: one layer per segment, small head chunks.
         Case("lean-128", shape, engine={"head": "fused", "head_chunk": 256, "segment_layers": 1, **wide}),
         Case("all-lean", shape, engine={"head": "fused", "head_chunk": 256, "segment_layers": 1, "prefix_sharing": True, **wide}),
-        Case("blockwise-attn", shape, engine={"attention": "blockwise"}),
         # The same programs under mx.compile (train.engine.compile; auto = on with CUDA).
         Case("fused-128-compiled", shape, engine={"head": "fused", **wide, **compiled}),
         Case("fused-prefix-128-compiled", shape, engine={"head": "fused", "prefix_sharing": True, **wide, **compiled}),
         Case("fused-prefix-128-c-exclusion", shape, engine={"head": "fused", "prefix_sharing": True, **wide, **compiled,
                                                             "prefix_attention": "exclusion"}),
-        # The same with the head's forward blocks as a CUDA kernel (train.engine.head_kernel; pure MLX elsewhere).
-        Case("fused-prefix-128-c-kernel", shape, engine={"head": "fused", "prefix_sharing": True, **wide, **compiled,
-                                                         "head_kernel": "auto"}),
         Case(f"seg{segment_layers}-128-compiled", shape, engine={"head": "fused", **seg, **wide, **compiled}),
         Case("lean-128-compiled", shape, engine={"head": "fused", "head_chunk": 256, "segment_layers": 1, **wide, **compiled}),
         Case("all-lean-compiled", shape, engine={"head": "fused", "head_chunk": 256, "segment_layers": 1,
@@ -190,11 +186,6 @@ def _head_suite(base: Shape, small_vocab: int, large_vocab: int, tokens: int, ch
         # The default: head_chunk 0 sizes chunks by the vocabulary (orpo.engine.head.chunk_for).
         Case(f"fused-V{s}-auto", small, "head", {"head": "fused", "head_chunk": 0}, baseline=f"naive-V{s}"),
         Case(f"fused-V{l}-auto", large, "head", {"head": "fused", "head_chunk": 0}, baseline=f"naive-V{l}"),
-        # The same with the forward blocks as a CUDA kernel (train.engine.head_kernel; pure MLX off CUDA).
-        Case(f"fused-V{s}-auto-kernel", small, "head", {"head": "fused", "head_chunk": 0, "head_kernel": "auto"},
-             baseline=f"naive-V{s}"),
-        Case(f"fused-V{l}-auto-kernel", large, "head", {"head": "fused", "head_chunk": 0, "head_kernel": "auto"},
-             baseline=f"naive-V{l}"),
         # The segmented backward's head: the same blocks evaluated one chunk at a time (fused_logp_eager).
         Case(f"eager-V{s}-auto", small, "head", {"head": "fused", "head_chunk": 0, "eager": True}, baseline=f"naive-V{s}"),
         Case(f"eager-V{l}-auto", large, "head", {"head": "fused", "head_chunk": 0, "eager": True}, baseline=f"naive-V{l}"),

@@ -1,5 +1,5 @@
-"""Where an ORPO step's time goes at a bench shape: forward, forward+backward, attention (mx.fast sdpa and
-our blockwise), head (one process).
+"""Where an ORPO step's time goes at a bench shape: forward, forward+backward, attention (mx.fast sdpa),
+head (one process).
 
     python bench/step_profile.py --shape h200
 Prints seconds per call of each piece (mean of timed calls after warm-up), to find what bounds the step.
@@ -36,9 +36,7 @@ def main() -> None:
     a = ap.parse_args()
     shape = SUITES[a.shape].cases[0].shape
     dtype = getattr(mx, shape.dtype)
-    from orpo.config import section_defaults
     from engine import LORA, build_model  # the same model and adapters as bench/engine.py's step cases
-    from orpo.engine.attention import blockwise_attention
     from orpo.train.lora import apply_lora
     model = build_model(shape, 0)
     apply_lora(model, LORA, 0)
@@ -85,11 +83,6 @@ def main() -> None:
     for name, a, b in zip("qkv", fast, ref):
         err = (mx.linalg.norm(a.astype(mx.float32) - b) / mx.linalg.norm(b)).item()
         print(f"sdpa T={T128} bf16 d{name} vs float32: relative error {err:.2e}")
-    block = section_defaults("train")["engine"]["attention_block"]
-    bw = lambda q, k, v: blockwise_attention(q, k, v, D**-0.5, "causal", block)
-    bw_sum = lambda q, k, v: bw(q, k, v).astype(mx.float32).sum()
-    rows.append((f"blockwise causal fwd (1 layer, b{block})", timeit(lambda: bw(q, k, v))))
-    rows.append((f"blockwise causal fwd+bwd (1 layer, b{block})", timeit(lambda: mx.grad(bw_sum, argnums=(0, 1, 2))(q, k, v))))
     h = mx.random.normal((B * T, shape.hidden)).astype(dtype)
     w = model.model.embed_tokens.weight
     head = lambda h: (mx.logsumexp((h @ w.T).astype(mx.float32), axis=-1)).mean()

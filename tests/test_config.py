@@ -74,7 +74,7 @@ def test_strings_read_as_numbers_where_the_schema_wants_numbers():
     assert config["train"]["lr"] == "1e-3"
     config["train"].update({"epochs": "4", "max_steps": "1e2", "group_by_length": "true",
                             "lora": {"rank": "8", "alpha": "16", "rslora": "false"},
-                            "engine": {"cache_limit_gb": "2.5", "compile": "false", "head_kernel": "auto"}})
+                            "engine": {"cache_limit_gb": "2.5", "compile": "false", "prefix_sharing": "auto"}})
     config["replay"] = {"checkpoint": "12"}
     config["paper"] = {"name": "p", "models": [{"experiment": "a", "label": "A", "published": {"inst_strict": "0.5"}}]}
     train = validate_config(config, PROJECT_ROOT)["train"]
@@ -82,7 +82,7 @@ def test_strings_read_as_numbers_where_the_schema_wants_numbers():
     assert type(train["epochs"]) is int and type(train["max_steps"]) is int and train["group_by_length"] is True
     assert (train["lora"]["rank"], train["lora"]["alpha"], train["lora"]["rslora"]) == (8, 16, False)
     assert train["engine"]["cache_limit_gb"] == 2.5 and train["engine"]["compile"] is False
-    assert train["engine"]["head_kernel"] == "auto"
+    assert train["engine"]["prefix_sharing"] == "auto"
     assert config["replay"]["checkpoint"] == "12"  # a string is one of the values it takes
     assert config["paper"]["models"][0]["published"]["inst_strict"] == 0.5
 

@@ -40,7 +40,6 @@ ENGINES = {name: {**PLAIN, **e} for name, e in {
     "prefix_width_24": {"prefix_sharing": True, "width_multiple": 24},  # split aligned to 24: prompt-tail queries
     # The other ways shared rows attend (train.engine.prefix_attention; split is the default).
     "prefix_exclusion": {"prefix_sharing": True, "prefix_attention": "exclusion"},
-    "prefix_mask_compiled": {"prefix_sharing": True, "prefix_attention": "mask", "compile": True},
     "all_width_128": {"head": "fused", "head_chunk": 7, "segment_layers": 2, "prefix_sharing": True,
                       "width_multiple": 128},
     # Under mx.compile (whole step; per segment, with evaluations queued one ahead).

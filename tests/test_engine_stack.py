@@ -123,8 +123,8 @@ def test_shared_rows_layout_and_its_attentions(multiple, attention):
     """Aligned prefix rows ([prompt; chosen[:-1]; pad | rejected own; pad], rejected's block at one column, a
     rung of the width multiple) or tight ones ([prompt; chosen[:-1]; rejected own; pad]): tokens and
     visibility equal a numpy oracle of the block mask; the default masks (SplitRows on aligned rows, the
-    exclusion dims on tight ones) give the hidden states of the additive block mask, and so does each other
-    attention the layout allows."""
+    exclusion dims on tight ones) give the hidden states of the additive block mask, and so do the exclusion
+    dims on aligned rows."""
     from orpo.batching import ladder
     from orpo.engine.attention import ExclusionMask, SplitRows
     model = tiny_model("llama")
@@ -158,18 +158,14 @@ def test_shared_rows_layout_and_its_attentions(multiple, attention):
     with stack.positions(lay):
         by_mask = stack.norm(stack.run(h0, [additive] * len(stack.layers), 0, len(stack.layers)))
     want = np.array(by_mask.reshape(-1, by_mask.shape[-1])[packed.index])
-    kinds = (("split", SplitRows), ("exclusion", ExclusionMask), ("mask", mx.array))
-    for kind, mask_type in kinds if attention == "split" else kinds[1:]:
-        other = Stack(model, packed=kind)
-        assert attention != "split" or all(isinstance(mask, SplitRows) for mask in other.masks(lay, h0))
-        if attention == "split" and kind != "split":  # aligned rows attended without SplitRows
-            lay_other = Layout(lay.tokens, lay.positions, lay.restricted, lay.hidden_keys)
-        else:
-            lay_other = lay
-        assert all(isinstance(mask, mask_type) for mask in other.masks(lay_other, h0))
-        h = other.hidden(lay_other)
+    layouts = [lay]
+    if attention == "split":  # the same aligned rows without their SplitRows: attended with the exclusion dims
+        layouts.append(Layout(lay.tokens, lay.positions, lay.restricted, lay.hidden_keys))
+        assert all(isinstance(mask, ExclusionMask) for mask in stack.masks(layouts[-1], h0))
+    for each in layouts:
+        h = stack.hidden(each)
         np.testing.assert_allclose(np.array(h.reshape(-1, h.shape[-1])[packed.index]), want,
-                                   rtol=10 * MATMUL_TOL, atol=10 * MATMUL_TOL, err_msg=kind)
+                                   rtol=10 * MATMUL_TOL, atol=10 * MATMUL_TOL, err_msg=str(each.split))
 
 
 def test_auto_rows_are_aligned_only_where_that_costs_no_padding():

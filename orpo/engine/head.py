@@ -7,8 +7,7 @@ recomputes each chunk's block from the saved per-token logsumexp: d logp / dz = 
 chain over vocab blocks in one graph kept every block alive. The chunks are chained (`queue.after`) so that
 the blocks alive at once are a fixed few, whatever the token count (tests/test_engine_head.py measures it).
 Matmuls run in the head's dtype, as the model's own layer does; softmax math in float32.
-Pure MLX (CPU, CUDA, Metal); float and quantized heads. `skip_eps` only changes the math here (dense
-matmuls either way); it exists so a sparse kernel can be checked against the same semantics.
+Pure MLX (CPU, CUDA, Metal); float and quantized heads.
 """
 
 from __future__ import annotations
@@ -21,7 +20,6 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from orpo.engine.head_kernel import logsumexp_block
 from orpo.engine.queue import EvalQueue, after
 
 # Model-args fields with which an mlx-lm family scales its logits beyond head(model.model(x)) [+ softcap]
@@ -125,21 +123,19 @@ def lm_head_of(model: nn.Module) -> LMHead:
 
 
 @cache
-def _forward_block(cap: float | None, kernel: bool = False) -> Callable:
-    """Raw logit block [c, V] and targets [c] -> (logp, logsumexp) in float32: compiled MLX, or with `kernel`
-    the CUDA kernel of orpo.engine.head_kernel wherever it runs (same math; 1.8x the block on the H200)."""
+def _forward_block(cap: float | None) -> Callable:
+    """Compiled: raw logit block [c, V] and targets [c] -> (logp, logsumexp) in float32."""
 
     def block(x: mx.array, targets: mx.array) -> tuple[mx.array, mx.array]:
         z = _apply_softcap(x.astype(mx.float32), cap)
         lse = mx.logsumexp(z, axis=-1)
         return mx.take_along_axis(z, targets[:, None], axis=-1)[:, 0] - lse, lse
 
-    # The kernel's block where asked for and CUDA runs it (None elsewhere): decided once, not per chunk.
-    return (kernel and logsumexp_block(cap)) or mx.compile(block)
+    return mx.compile(block)
 
 
 @cache
-def _grad_block(cap: float | None, skip_eps: float) -> Callable:
+def _grad_block(cap: float | None) -> Callable:
     """Compiled: d(g_logp * logp + g_lse * lse)/dx for one raw logit block, in the block's dtype."""
 
     def block(x: mx.array, lse: mx.array, targets: mx.array, g: mx.array, g_lse: mx.array) -> mx.array:
@@ -150,8 +146,6 @@ def _grad_block(cap: float | None, skip_eps: float) -> Callable:
             th = mx.tanh(xf / cap)
             z = th * cap
         p = mx.exp(z - lse[:, None])
-        if skip_eps > 0:
-            p = mx.where(p < skip_eps, 0.0, p)
         onehot = mx.arange(x.shape[-1])[None, :] == targets[:, None]
         # d logp/dz = onehot - p and d lse/dz = p, so the sum is g*onehot - p*(g - g_lse)
         dz = mx.where(onehot, g[:, None], 0.0) - p * (g - g_lse)[:, None]
@@ -194,9 +188,9 @@ def _hidden_cotangent(head: LMHead, h: mx.array, targets: mx.array, lse: mx.arra
     return mx.concatenate(dh).astype(h.dtype)
 
 
-def _fused(head: LMHead, chunk: int, skip_eps: float, kernel: bool) -> Callable:
+def _fused(head: LMHead, chunk: int) -> Callable:
     """The custom function (h [M, H], targets [M]) -> (logp, logsumexp), with its chunked analytic vjp."""
-    forward, backward = _forward_block(head.softcap, kernel), _grad_block(head.softcap, skip_eps)
+    forward, backward = _forward_block(head.softcap), _grad_block(head.softcap)
 
     @mx.custom_function
     def logp_lse(h: mx.array, targets: mx.array) -> tuple[mx.array, mx.array]:
@@ -211,8 +205,8 @@ def _fused(head: LMHead, chunk: int, skip_eps: float, kernel: bool) -> Callable:
     return logp_lse
 
 
-def fused_logp_eager(head: LMHead, h: mx.array, targets: mx.array, chunk: int, skip_eps: float = 0.0,
-                     overlap: int = 0, kernel: bool = False) -> tuple[mx.array, Callable[[mx.array], mx.array]]:
+def fused_logp_eager(head: LMHead, h: mx.array, targets: mx.array, chunk: int,
+                     overlap: int = 0) -> tuple[mx.array, Callable[[mx.array], mx.array]]:
     """(logp [M], grad_fn): the fused head evaluated chunk by chunk, outside autodiff.
 
     For a caller that is not under a transform (the segmented backward): each chunk is evaluated before
@@ -222,7 +216,7 @@ def fused_logp_eager(head: LMHead, h: mx.array, targets: mx.array, chunk: int, s
     compiled blocks) as fused_logp. `overlap` chunks may be in flight at once (orpo.engine.queue).
     """
     chunk = chunk_for(head.vocab_size, chunk)
-    forward, backward = _forward_block(head.softcap, kernel), _grad_block(head.softcap, float(skip_eps))
+    forward, backward = _forward_block(head.softcap), _grad_block(head.softcap)
     logp, lse = _logp_chunks(head, h, targets, chunk, forward, EvalQueue(overlap))
 
     def grad_fn(g: mx.array) -> mx.array:
@@ -245,14 +239,11 @@ def chunk_for(vocab_size: int, chunk: int) -> int:
     return chunk if chunk != 0 else max(16, AUTO_BLOCK_LOGITS // vocab_size // 16 * 16)
 
 
-def fused_logp(head: LMHead, h: mx.array, targets: mx.array, chunk: int = 1024, skip_eps: float = 0.0,
-               kernel: bool = False) -> mx.array:
+def fused_logp(head: LMHead, h: mx.array, targets: mx.array, chunk: int = 1024) -> mx.array:
     """log softmax(softcap(h W^T))[target] per token, float32, token-chunked; differentiable w.r.t. h only.
 
     h [..., H] (any float dtype) and targets [...] (int) give logp [...]. The backward recomputes one
-    [chunk, V] block at a time (chunk 0: `chunk_for`'s vocabulary-scaled size); `skip_eps` > 0 treats
-    softmax probabilities below it as 0 there. `kernel`: the forward blocks run as a CUDA kernel where
-    one runs (orpo.engine.head_kernel), pure MLX otherwise.
+    [chunk, V] block at a time (chunk 0: `chunk_for`'s vocabulary-scaled size).
     """
     chunk = chunk_for(head.vocab_size, chunk)
     if h.ndim < 1 or h.shape[-1] != head.hidden_size:
@@ -263,11 +254,11 @@ def fused_logp(head: LMHead, h: mx.array, targets: mx.array, chunk: int = 1024, 
                          "(h's leading shape)")
     if not mx.issubdtype(h.dtype, mx.floating) or not mx.issubdtype(targets.dtype, mx.integer):
         raise ValueError(f"fused_logp: h must be float and targets int, got {h.dtype} and {targets.dtype}")
-    if chunk < 1 or skip_eps < 0:
-        raise ValueError(f"fused_logp: chunk must be >= 1 and skip_eps >= 0, got chunk={chunk}, skip_eps={skip_eps}")
+    if chunk < 1:
+        raise ValueError(f"fused_logp: chunk must be >= 1, got chunk={chunk}")
     lead = h.shape[:-1]
     flat_h, flat_t = h.reshape(-1, h.shape[-1]), targets.reshape(-1)
     if flat_h.shape[0] == 0:
         return mx.zeros(lead, dtype=mx.float32)
-    logp, _ = _fused(head, chunk, float(skip_eps), bool(kernel))(flat_h, flat_t)
+    logp, _ = _fused(head, chunk)(flat_h, flat_t)
     return logp.reshape(lead)

@@ -1,7 +1,7 @@
 """The one entry the trainer calls: ORPO loss, metrics and LoRA gradients of a micro-batch, by the engine's settings.
 
-head (naive | fused) x segment_layers (0 = plain backward) x prefix_sharing x attention (mlx | blockwise)
-x width_multiple x compile compose freely. All naive, no segments, no sharing, mlx attention is the trainer's
+head (naive | fused) x segment_layers (0 = plain backward) x prefix_sharing x width_multiple x compile
+compose freely. All naive, no segments, no sharing is the trainer's
 original path itself (full logits of [chosen; rejected] rows under nn.value_and_grad), so it stays
 bit-identical; every other setting goes through our stack forward.
 """
@@ -37,11 +37,8 @@ def resolve_engine(engine: dict[str, Any] | None) -> dict[str, Any]:
         raise ValueError(f"train.engine: unknown settings {sorted(unknown)} (known: {sorted(ENGINE_DEFAULTS)})")
     if e["head"] not in ("naive", "fused"):
         raise ValueError(f"train.engine.head: {e['head']!r} is not one of naive, fused")
-    if int(e["segment_layers"]) < 0 or int(e["head_chunk"]) < 0 or float(e["softmax_skip_eps"]) < 0:
-        raise ValueError(f"train.engine: segment_layers >= 0, head_chunk >= 0, softmax_skip_eps >= 0 (got {e})")
-    if e["attention"] not in ("mlx", "blockwise") or int(e["attention_block"]) < 1:
-        raise ValueError(f"train.engine.attention: {e['attention']!r} must be one of mlx, blockwise and "
-                         f"train.engine.attention_block >= 1 (got {e['attention_block']})")
+    if int(e["segment_layers"]) < 0 or int(e["head_chunk"]) < 0:
+        raise ValueError(f"train.engine: segment_layers >= 0, head_chunk >= 0 (got {e})")
     if int(e["mlp_chunks"]) < 1:
         raise ValueError(f"train.engine.mlp_chunks: must be >= 1 (got {e['mlp_chunks']})")
     if int(e["overlap"]) < 0 or float(e["memory_limit_gb"]) < 0:
@@ -59,13 +56,6 @@ def resolve_engine(engine: dict[str, Any] | None) -> dict[str, Any]:
                          f"{', '.join(PACKED_ATTENTION)}")
     if e["compile"] not in ("auto", True, False):
         raise ValueError(f"train.engine.compile: {e['compile']!r} is not one of auto, true, false")
-    if e["head_kernel"] not in ("auto", True, False):
-        raise ValueError(f"train.engine.head_kernel: {e['head_kernel']!r} is not one of auto, true, false")
-    if e["head_kernel"] is True and not on_cuda():
-        raise ValueError("train.engine.head_kernel: true needs a CUDA GPU (mx.fast.cuda_kernel); "
-                         f"the default device here is {mx.default_device()}; use auto or false")
-    if e["head_kernel"] == "auto":
-        e["head_kernel"] = on_cuda()
     if e["compile"] == "auto":
         # Measured on an H200: 1.43-1.51x tokens/s for the fused head at widths of 128 (bench/README.md). On the
         # CPU each new shape's first call also pays a trace and a C++ build of its kernels: off there.
@@ -92,18 +82,13 @@ def input_multiple(engine: dict[str, Any]) -> int | None:
     return m
 
 
-# The trainer's original path: naive head, plain backward, no sharing, MLX's attention (the oracle).
-PLAIN: dict[str, Any] = {"head": "naive", "segment_layers": 0, "prefix_sharing": False, "attention": "mlx"}
+# The trainer's original path: naive head, plain backward, no sharing (the oracle).
+PLAIN: dict[str, Any] = {"head": "naive", "segment_layers": 0, "prefix_sharing": False}
 
 
 def is_plain(engine: dict[str, Any]) -> bool:
     """Whether the settings ask for the trainer's original path (PLAIN)."""
     return all(engine[k] == v for k, v in PLAIN.items())
-
-
-def stack_of(model: nn.Module, e: dict[str, Any]) -> Stack:
-    """The model's Stack with the settings' attention and packed-row attention."""
-    return Stack(model, e["attention"], int(e["attention_block"]), e["prefix_attention"])
 
 
 def naive_pair_loss(model: nn.Module, tokens: mx.array, mask: mx.array, n: int, lam: float) -> tuple[mx.array, dict[str, mx.array]]:
@@ -142,8 +127,7 @@ def packed_logps(head: LMHead, hidden: mx.array, packed: PackedPairs, engine: di
     """Mean response log-prob of each sequence [2B] (chosen rows, then rejected) from final hidden states."""
     h = scored_rows(hidden, packed)
     if engine["head"] == "fused":
-        logp = fused_logp(head, h, packed.targets, int(engine["head_chunk"]), float(engine["softmax_skip_eps"]),
-                          bool(engine["head_kernel"]))
+        logp = fused_logp(head, h, packed.targets, int(engine["head_chunk"]))
     else:
         logits = head_logits(head, h).astype(mx.float32)
         logp = mx.take_along_axis(logits, packed.targets[:, None], axis=-1)[:, 0] - mx.logsumexp(logits, axis=-1)
@@ -217,7 +201,7 @@ def pair_value_and_grad(model: nn.Module, pairs: Pairs, lam: float,
 def _segmented(model: nn.Module, packed: PackedPairs, n: int, lam: float,
                e: dict[str, Any]) -> tuple[tuple[mx.array, dict[str, mx.array]], Any]:
     """((loss, metrics), grads) through the segmented backward; a fused head runs eagerly, chunk by chunk."""
-    stack, head = stack_of(model, e), lm_head_of(model)
+    stack, head = Stack(model), lm_head_of(model)
 
     def loss_of(logps: mx.array) -> tuple[mx.array, dict[str, mx.array]]:
         return orpo_loss(logps[:n], logps[n:], lam)
@@ -230,8 +214,7 @@ def _segmented(model: nn.Module, packed: PackedPairs, n: int, lam: float,
         rows = lambda h: scored_rows(stack.norm(h), packed)  # noqa: E731
         x = rows(h)
         mx.eval(x)
-        logp, grad_fn = fused_logp_eager(head, x, packed.targets, int(e["head_chunk"]), float(e["softmax_skip_eps"]),
-                                         int(e["overlap"]), bool(e["head_kernel"]))
+        logp, grad_fn = fused_logp_eager(head, x, packed.targets, int(e["head_chunk"]), int(e["overlap"]))
         (loss, metrics), g = mx.value_and_grad(lambda lp: loss_of(packed.weights @ lp))(logp)
         mx.eval(loss, metrics, g)
         _, (cot,) = mx.vjp(lambda h: [rows(h)], [h], [grad_fn(g)])
@@ -245,7 +228,7 @@ def _segmented(model: nn.Module, packed: PackedPairs, n: int, lam: float,
 def whole_loss(model: nn.Module, packed: PackedPairs, n: int, lam: float,
                e: dict[str, Any]) -> tuple[mx.array, dict[str, mx.array]]:
     """ORPO loss and metrics of n pairs' packed rows through the whole stack and the head (one graph)."""
-    hidden = stack_of(model, e).hidden(packed.layout)
+    hidden = Stack(model).hidden(packed.layout)
     logps = packed_logps(lm_head_of(model), hidden, packed, e)
     return orpo_loss(logps[:n], logps[n:], lam)
 
@@ -274,7 +257,7 @@ def pair_logps(model: nn.Module, pairs: Pairs, engine: dict[str, Any] | None) ->
         logps = response_mean_logps(model, *pair_batch(pairs, list(range(n)), input_multiple(e)))
     else:
         packed = pack(pairs, e, tight_rows_fit(model))
-        stack = stack_of(model, e)
+        stack = Stack(model)
         logps = packed_logps(lm_head_of(model), stack.hidden(packed.layout), packed, e)
     logps = mx.stop_gradient(logps)
     return logps[:n], logps[n:]

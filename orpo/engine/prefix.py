@@ -4,7 +4,7 @@ Two layouts. `plain_rows`: the trainer's [chosen; rejected] causal rows (2B rows
 sharing, one row per pair, rejected blind to chosen and its RoPE positions restarted at the prompt length,
 so the prompt is computed once. Its rows are aligned, [prompt; chosen; pad | rejected; pad] with every
 rejected block at one column (what the split attention needs: `attention.SplitRows`), or tight,
-[prompt; chosen; rejected; pad] (attended with the exclusion dims or a mask). Widths and target counts are
+[prompt; chosen; rejected; pad] (attended with the exclusion dims). Widths and target counts are
 rungs of `orpo.batching.ladder`, so variable-length data gives few distinct shapes (and compiled traces).
 A pair's prompt is everything before its first scored token; a pair whose chosen and rejected prompts
 differ (a pair given as two full sequences with `prompt=[]`) falls back to two independent blocks in its
@@ -112,7 +112,7 @@ def shared_rows(pairs: Pairs, input_multiple: int | None = None, attention: str 
     of `input_multiple` (16 if None), the row ending at another) let the split attention run each part at
     widths of that multiple (128 on CUDA: cuDNN's backward); the pad between chosen and rejected is hidden
     from rejected like chosen's own tokens. Tight rows ([prompt; chosen[:-1]; rejected own; pad]) hold no
-    padding but at the end. `attention` "split" takes aligned rows, "exclusion" and "mask" tight ones, and
+    padding but at the end. `attention` "split" takes aligned rows, "exclusion" tight ones, and
     "auto" aligned rows where they are no wider than tight ones and every pair has one prompt length (one
     rejected attention, one trace), else tight rows, or, where `tight` says they cannot be attended with
     the exclusion dims at full speed (orpo.engine.attention.exclusion_fits), the plain two-forward rows.

@@ -79,8 +79,7 @@ def _compiled_segment(stack: Stack, layout: Layout, a: int, b: int, what: str, m
     def call(*args: Any) -> Any:
         *lead, masks = args
         spec, arrays = mask_arrays(masks[a:b])
-        key = ("segment", what, a, b, spec, layout_arrays(layout)[0], stack.attention, stack.attention_block,
-               mlp_chunks)
+        key = ("segment", what, a, b, spec, layout_arrays(layout)[0], mlp_chunks)
 
         def build() -> Callable:
             inner = _segment_forward(stack, a, b) if what == "forward" else _segment_vjp(stack, a, b, mlp_chunks)

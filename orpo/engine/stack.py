@@ -4,11 +4,9 @@ embedding (gemma's sqrt(H) scale included) -> decoder layers, each called with a
 norm. On a plain layout (ordinary causal rows) every layer gets the very mask object the model would build
 itself, so the hidden states are bit-identical to `model.model(tokens)`. A packed layout (prefix sharing)
 carries per-token logical positions and the keys rejected's tokens may not see; its full-attention layers
-attend as two causal attentions (SplitRows, the default), one causal attention with exclusion dims
-(ExclusionMask) or under an additive block mask. Sliding windows are applied on the logical positions, and
-RoPE sees them through a wrapper around each attention's own rope (below).
-With attention="blockwise", the layers call orpo.engine.attention's blockwise attention (analytic backward)
-instead of mlx-lm's sdpa while inside `positions`; gemma2 computes its softcapped attention itself and keeps it.
+attend as two causal attentions (SplitRows, the default) or one causal attention with exclusion dims
+(ExclusionMask); sliding windows and gemma2's own attention take a block mask. Sliding windows are
+applied on the logical positions, and RoPE sees them through a wrapper around each attention's own rope (below).
 """
 
 from __future__ import annotations
@@ -23,7 +21,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.models.base import create_attention_mask
 
-from orpo.engine.attention import DEFAULT_BLOCK, SplitRows, causal_blockwise_in, exclusion_mask, packed_masks_in
+from orpo.engine.attention import SplitRows, exclusion_mask, packed_masks_in
 
 # mlx-lm module name -> family ("mistral" is served by mlx_lm.models.llama).
 SUPPORTED = ("llama", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text")
@@ -118,27 +116,18 @@ def trainables_replaced(modules: Sequence[nn.Module], arrays: Sequence[mx.array]
                 m.update(tree_unflatten(items))
 
 
-# How packed rows' full-attention layers attend: two causal attentions (SplitRows, aligned rows only), one
-# causal attention with exclusion dims (ExclusionMask), or an additive [B, 1, L, L] block mask; "auto" and
-# "split" take split wherever the rows are aligned, exclusion on tight rows. Split does the least attention
-# work (an H200 layer 1.53 ms fwd+bwd compiled vs 2.09-2.22 for exclusion); tight rows need no common
-# rejected column, so on pairs of their own lengths they hold less padding (orpo.engine.prefix).
-PACKED_ATTENTION = ("auto", "split", "exclusion", "mask")
+# How packed rows' full-attention layers attend: two causal attentions (SplitRows) on aligned rows, one
+# causal attention with exclusion dims (ExclusionMask) on tight rows; the rows say which. Split does the
+# least attention work, tight rows the least padding for pairs of their own lengths.
+PACKED_ATTENTION = ("auto", "split", "exclusion")
 
 
 class Stack:
     """The parts of one mlx-lm model: embed, run layers a..b with chosen masks and positions, final norm."""
 
-    def __init__(self, model: nn.Module, attention: str = "mlx", attention_block: int = DEFAULT_BLOCK,
-                 packed: str = "auto"):
+    def __init__(self, model: nn.Module):
         self.family = family_of(model)
         self.model = model
-        # "blockwise": inside `positions`, attention runs orpo.engine.attention's (gemma2 keeps its own).
-        self.attention = attention
-        self.attention_block = attention_block
-        if packed not in PACKED_ATTENTION:
-            raise ValueError(f"train.engine.prefix_attention: {packed!r} is not one of {', '.join(PACKED_ATTENTION)}")
-        self.packed = packed
         self.inner = model.model
         self.layers = list(self.inner.layers)
         self.windows = self._windows()
@@ -183,7 +172,7 @@ class Stack:
             if w is not None:
                 pos = layout.positions
                 mask = mask & ((pos[:, :, None] - pos[:, None, :]) < w)
-            if self.attention == "mlx" and not self.array_masks:
+            if not self.array_masks:
                 # Additive, in the activation dtype, one per row: MLX's CUDA attention takes it as cuDNN's
                 # bias broadcast over heads, where a boolean mask is first expanded to [B, H, L, L].
                 built[w] = mx.where(mask, mx.array(0.0, h.dtype), mx.array(-mx.inf, h.dtype))[:, None]
@@ -192,24 +181,17 @@ class Stack:
         return [built[w] for w in self.windows]
 
     def _packed_kind(self, window: int | None, layout: Layout) -> str:
-        """How a layer with this window attends over a packed layout: split (aligned rows), exclusion or mask.
-
-        Sliding windows, gemma2's own attention and the blockwise attention take the block mask array.
-        """
-        if window is not None or self.attention != "mlx" or self.array_masks:
+        """How a layer with this window attends over a packed layout: split (aligned rows), exclusion (tight
+        rows), or a block mask array (sliding windows and gemma2's own attention)."""
+        if window is not None or self.array_masks:
             return "mask"
-        if layout.split is not None:
-            return "split"
-        return "mask" if self.packed == "mask" else "exclusion"
+        return "split" if layout.split is not None else "exclusion"
 
     @contextmanager
     def positions(self, layout: Layout) -> Iterator[None]:
-        """While inside, ropes see the layout's logical positions and attention runs as `self.attention` says."""
+        """While inside, ropes see the layout's logical positions and attention takes its packed masks."""
         modules = [type(layer.self_attn).__module__ for layer in self.layers]
-        if self.attention == "blockwise":
-            with causal_blockwise_in(modules, self.attention_block), self._rope_positions(layout):
-                yield
-        elif not layout.plain and any(self._packed_kind(w, layout) != "mask" for w in self.windows):
+        if not layout.plain and any(self._packed_kind(w, layout) != "mask" for w in self.windows):
             with packed_masks_in(modules), self._rope_positions(layout):
                 yield
         else:

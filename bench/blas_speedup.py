@@ -19,9 +19,9 @@ CHILD = r"""
 import json, time
 import mlx.core as mx, mlx.nn as nn
 from mlx_lm.models import llama
-from orpo.train.head import response_mean_logps
-from orpo.train.loss import orpo_loss
+from orpo.engine.head import response_mean_logps
 from orpo.train.lora import apply_lora
+from orpo.train.step import orpo_loss
 
 a = mx.random.normal((1024, 1024)); b = mx.random.normal((1024, 1024)); mx.eval(a, b)
 mx.eval(a @ b)

@@ -48,7 +48,7 @@ from orpo.device import cuda_available
 from orpo.train.data import Pairs
 
 from orpo.engine.head import fused_logp, fused_logp_eager, lm_head_of
-from orpo.engine.objective import PLAIN, pair_value_and_grad
+from orpo.train.step import PLAIN, pair_value_and_grad
 
 # Every case starts from the naive engine (not the schema's defaults, which switch techniques on), so
 # "naive" is the plain path and each other case names exactly the techniques it turns on. Width multiple
@@ -117,12 +117,12 @@ def run_step_case(case: Case, steps: int, warmup: int, seed: int) -> dict[str, A
     model, pairs = step_inputs(case, seed)
     with memory_limit(float(engine["memory_limit_gb"])):  # as orpo.train.session applies it
         out, ((loss, _), _) = _timed(lambda: pair_value_and_grad(model, pairs, LAMBDA, engine), steps, warmup)
-    return {**out, "path": "engine.objective", "loss": loss.item(), "tokens_per_s": case.shape.two_forward_tokens() / out["step_s"]}
+    return {**out, "path": "train.step", "loss": loss.item(), "tokens_per_s": case.shape.two_forward_tokens() / out["step_s"]}
 
 
 def run_head_case(case: Case, steps: int, warmup: int, seed: int) -> dict[str, Any]:
     """The head alone: M = pairs * response hidden states -> mean log-prob, gradient w.r.t. the hidden states."""
-    from orpo.train.head import mean_logps_from_logits
+    from orpo.engine.head import mean_logps_from_logits
 
     engine = {**ENGINE_DEFAULTS, **case.engine}
     shape = case.shape
@@ -148,7 +148,7 @@ def run_head_case(case: Case, steps: int, warmup: int, seed: int) -> dict[str, A
         loss = lambda x: fused_logp(head, x, targets, int(engine["head_chunk"])).mean()
     else:
         project = model.model.embed_tokens.as_linear if shape.tied else model.lm_head
-        path = "train.head (logits)"
+        path = "engine.head (logits)"
         loss = lambda x: mean_logps_from_logits(project(x)[None], targets[None], mx.ones((1, m)))[0]
     value_and_grad = mx.value_and_grad(loss)
     out, (loss, _) = _timed(lambda: value_and_grad(h), steps, warmup)

@@ -20,7 +20,7 @@ from engine_shapes import SUITES
 import orpo.engine.head as head_module
 import orpo.engine.queue as queue_module
 import orpo.engine.segmented as segmented_module
-from orpo.engine.objective import ENGINE_DEFAULTS, pair_value_and_grad
+from orpo.train.step import ENGINE_DEFAULTS, pair_value_and_grad
 
 GB = 1e9
 PHASES: list[tuple[str, float]] = []

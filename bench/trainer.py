@@ -188,7 +188,7 @@ def profile(model: Path, rendered: Path, settings: dict[str, Any], steps: int) -
     import mlx.optimizers as optim
     from mlx.utils import tree_flatten
 
-    from orpo.engine.objective import batch_value_and_grad, pair_value_and_grad
+    from orpo.train.step import batch_value_and_grad, pair_value_and_grad
     from orpo.train.session import build_session
 
     sess = build_session(model, rendered, settings)
@@ -249,7 +249,7 @@ def new_shape_costs(model: Path, rendered: Path, settings: dict[str, Any], count
 
     import mlx.core as mx
 
-    from orpo.engine.objective import batch_value_and_grad
+    from orpo.train.step import batch_value_and_grad
     from orpo.train.session import build_session
 
     sess = build_session(model, rendered, settings)

@@ -16,12 +16,12 @@ from mlx.utils import tree_flatten, tree_map
 from test_engine_stack import random_pairs, tiny_model, with_unshared_pair
 
 from conftest import MATMUL_TOL, shortest_pairs
-from orpo.engine.objective import PLAIN, pair_logps, pair_value_and_grad, resolve_engine
+from orpo.engine.head import response_mean_logps
 from orpo.train.data import pair_batch
-from orpo.train.head import response_mean_logps
 from orpo.train.keys import DropoutKeys
 from orpo.train.lora import adapter_weights, apply_lora
-from orpo.engine.objective import naive_pair_loss as pair_loss
+from orpo.train.step import PLAIN, pair_logps, pair_value_and_grad, resolve_engine
+from orpo.train.step import naive_pair_loss as pair_loss
 from orpo.train.trainer import replay, train
 
 LOSS_TOL = 10 * MATMUL_TOL
@@ -111,7 +111,7 @@ def test_each_rung_matches_the_naive_two_forward_orpo(family, engine):
 
 @pytest.mark.parametrize("multiple", [24, 128])
 def test_width_multiple_pads_the_model_inputs_to_a_multiple(multiple):
-    from orpo.engine.objective import pack
+    from orpo.train.step import pack
     pairs = random_pairs(1, 3)
     for sharing in (False, True):
         tokens = pack(pairs, resolve_engine({**PLAIN, "prefix_sharing": sharing, "width_multiple": multiple})).layout.tokens
@@ -129,10 +129,10 @@ def test_width_multiple_is_checked():
 
 def test_auto_settings_are_decided_by_the_device():
     from orpo.device import on_cuda
-    from orpo.engine.objective import input_multiple
+    from orpo.train.step import input_multiple
     e = resolve_engine({})
     assert e["prefix_sharing"] is True  # on everywhere since the exclusion attention (bench/README.md)
-    assert e["prefix_attention"] == "auto"  # decided per batch by the rows (orpo.engine.prefix.shared_rows)
+    assert e["prefix_attention"] == "auto"  # decided per batch by the rows (orpo.train.rows.shared_rows)
     with pytest.raises(ValueError, match="train.engine.prefix_attention"):
         resolve_engine({"prefix_attention": "dims"})
     assert input_multiple(e) == (128 if on_cuda() else None)

@@ -6,10 +6,10 @@ import pytest
 from test_engine_stack import tiny_model
 
 from conftest import ON_GPU
-from orpo.engine.objective import pair_value_and_grad
 from orpo.train.data import Pairs
 from orpo.train.keys import DropoutKeys
 from orpo.train.lora import apply_lora
+from orpo.train.step import pair_value_and_grad
 
 SIZE = {"hidden_size": 64, "intermediate_size": 256, "num_attention_heads": 4, "num_key_value_heads": 4}
 

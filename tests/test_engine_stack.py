@@ -11,9 +11,9 @@ from test_train_models import COMMON, FAMILIES
 
 from conftest import MATMUL_TOL
 from orpo.engine.head import head_logits, lm_head_of
-from orpo.engine.prefix import plain_rows, shared_rows
 from orpo.engine.stack import Layout, PositionedRope, Stack, UnsupportedModel
 from orpo.train.data import Pairs
+from orpo.train.rows import plain_rows, shared_rows
 
 VOCAB = COMMON["vocab_size"]
 WINDOW = 8  # shorter than the test rows, so sliding-window layers really cut attention
@@ -244,7 +244,7 @@ def test_tight_rows_only_where_the_exclusion_dims_keep_attention_fused(monkeypat
     """On CUDA, MLX's fused attention takes head dims up to 128: the exclusion's 8 extra dims fit a head dim
     of 64, not of 128. Where they do not fit, auto rows of pairs of their own lengths are the plain
     two-forward rows (nothing shared) and an explicit exclusion is refused with the reason."""
-    import orpo.engine.objective as objective
+    import orpo.train.step as objective
     from orpo.engine.attention import exclusion_fits
     assert exclusion_fits(64, cuda=True) and exclusion_fits(120, cuda=True) and not exclusion_fits(128, cuda=True)
     assert exclusion_fits(128, cuda=False) and exclusion_fits(256, cuda=False)

@@ -11,8 +11,8 @@ from mlx_lm.utils import load_model
 from orpo.train.data import pair_batch
 from orpo.train.keys import derive_key, keyed_dropout
 from orpo.train.lora import AdapterMismatch, adapter_weights
-from orpo.engine.objective import naive_pair_loss as pair_loss
 from orpo.train.session import build_session
+from orpo.train.step import naive_pair_loss as pair_loss
 
 SETTINGS = {"batch_size": 2, "max_steps": 4, "lr": 0.003, "lora": {"rank": 4, "alpha": 8, "dropout": 0.5}}
 

@@ -6,8 +6,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from orpo.train.head import mean_logps_from_logits
-from orpo.train.loss import log1mexp, orpo_loss
+from orpo.engine.head import mean_logps_from_logits
+from orpo.train.step import log1mexp, orpo_loss
 
 
 def np_mean_logps(logits, targets, scored):

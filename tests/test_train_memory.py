@@ -10,11 +10,11 @@ import pytest
 from mlx.utils import tree_flatten, tree_map
 from mlx_lm.models import llama
 
-from orpo.engine.objective import naive_pair_loss
 from orpo.train.accumulate import accumulate_grads
 from orpo.train.data import pair_batch
 from orpo.train.lora import adapter_weights
 from orpo.train.session import build_session
+from orpo.train.step import naive_pair_loss
 from orpo.train.trainer import train
 
 LORA = {"rank": 4, "alpha": 8}

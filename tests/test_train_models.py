@@ -11,8 +11,8 @@ from mlx.utils import tree_flatten
 from mlx_lm import load
 from mlx_lm.utils import _get_classes, load_model, quantize_model
 
+from orpo.engine.head import mean_logps_from_logits, response_mean_logps
 from orpo.train.data import load_pairs, pair_batch
-from orpo.train.head import mean_logps_from_logits, response_mean_logps
 from orpo.train.lora import LoRALinear, load_adapter_weights
 from orpo.train.session import build_session
 from orpo.train.trainer import replay, train

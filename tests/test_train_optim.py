@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 
-from orpo.engine.objective import batch_value_and_grad
 from orpo.optim import lr_schedule
 from orpo.train.session import build_session
+from orpo.train.step import batch_value_and_grad
 
 SETTINGS = {"batch_size": 2, "max_steps": 6, "lr": 0.003, "weight_decay": 0.1, "grad_clip": 0.05,
             "warmup": 0, "schedule": "cosine",

@@ -9,7 +9,7 @@ import orpo.versions as versions
 
 def test_closure_follows_imports():
     train = versions.module_closure("orpo.train.trainer")
-    assert {"orpo.train.loss", "orpo.train.head", "orpo.train.lora", "orpo.io", "orpo.optim"} <= set(train)
+    assert {"orpo.train.step", "orpo.engine.head", "orpo.train.lora", "orpo.io", "orpo.optim"} <= set(train)
     assert not any(m.startswith("orpo.eval") for m in train)
     ifeval = versions.module_closure("orpo.eval.ifeval.compare")
     assert "orpo.eval.ifeval.instructions" in ifeval
@@ -28,7 +28,7 @@ def package_copy(tmp_path, monkeypatch):
 
 def test_edit_changes_only_the_importing_stages(package_copy):
     before = {s: versions.code_version(s) for s in ("orpo.train.trainer", "orpo.eval.ifeval.compare")}
-    loss = package_copy / "train" / "loss.py"
+    loss = package_copy / "train" / "step.py"
     loss.write_text(loss.read_text() + "\n# an edit\n")
     versions.module_closure.cache_clear()
     assert versions.code_version("orpo.train.trainer") != before["orpo.train.trainer"]

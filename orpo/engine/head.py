@@ -1,4 +1,4 @@
-"""Flash-CCE log-prob head: log p(target) per token without ever holding the [tokens, vocab] logits.
+"""Log-prob heads: the naive one (full logits) and flash-CCE, log p(target) per token without the [tokens, vocab] logits.
 
 Forward: token chunks; each computes its full-vocab [chunk, V] logit block, the block's float32
 logsumexp and target logit, and is freed. Backward: an analytic vjp (`mx.custom_function`) that
@@ -82,6 +82,31 @@ def _apply_softcap(x: mx.array, cap: float | None) -> mx.array:
 def head_logits(head: LMHead, h: mx.array) -> mx.array:
     """Naive full logits [..., V] incl. the softcap: exactly what model(...) returns for final hidden h."""
     return _apply_softcap(head.project(h), head.softcap)
+
+
+def mean_logps_from_logits(logits: mx.array, targets: mx.array, scored: mx.array) -> mx.array:
+    """Masked mean over positions of log softmax(logits)[target], computed in float32; shape [N]."""
+    logits = logits.astype(mx.float32)
+    scored = scored.astype(mx.float32)
+    target_logits = mx.take_along_axis(logits, targets[..., None], axis=-1).squeeze(-1)
+    logp = target_logits - mx.logsumexp(logits, axis=-1)
+    return (logp * scored).sum(axis=-1) / mx.maximum(scored.sum(axis=-1), 1.0)
+
+
+def response_mean_logps(model: nn.Module, tokens: mx.array, mask: mx.array) -> mx.array:
+    """The naive head through the model's own forward: full [N, T, V] logits, then the masked mean log-prob per row.
+
+    `mask[i, t] = 1` when token t of row i is scored (predicted from position t-1).
+    """
+    return mean_logps_from_logits(model(tokens[:, :-1]), tokens[:, 1:], mask[:, 1:])
+
+
+def token_logp(head: LMHead, h: mx.array, targets: mx.array, fused: bool = True, chunk: int = 0) -> mx.array:
+    """log p(target) [M] float32 of final hidden states h [M, H]: the fused head, or the naive head's full logits."""
+    if fused:
+        return fused_logp(head, h, targets, chunk)
+    logits = head_logits(head, h).astype(mx.float32)
+    return mx.take_along_axis(logits, targets[:, None], axis=-1)[:, 0] - mx.logsumexp(logits, axis=-1)
 
 
 def _frozen_or_raise(module: nn.Module, where: str) -> None:

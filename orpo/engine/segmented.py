@@ -4,9 +4,9 @@ Forward: embed, then each segment of `segment_layers` layers, keeping only its o
 activations are freed). The head and loss give the cotangent of the last boundary. Backward: for the last
 segment down to the lowest one holding trainable parameters, recompute the segment under `mx.vjp` with
 respect to (its input boundary, its trainable parameters) and the incoming cotangent, evaluate, and pass
-the input cotangent down. Peak memory: one segment's activations plus the boundaries. The recompute sees
-the same LoRA dropout masks because they are keyed by (seed, step, micro-batch, module), not drawn from a
-global RNG, and the DropoutKeys pointer does not move inside a micro-batch.
+the input cotangent down. Peak memory: one segment's activations plus the boundaries. The recompute must
+draw the forward's dropout masks again: a module's dropout has to come from keys that stay put during the
+call, not from the global RNG (the trainer's LoRA layers key theirs by seed, step, micro-batch and module).
 """
 
 from __future__ import annotations
@@ -71,7 +71,7 @@ def _segment_vjp(stack: Stack, a: int, b: int, mlp_chunks: int = 1
 def _compiled_segment(stack: Stack, layout: Layout, a: int, b: int, what: str, mlp_chunks: int = 1) -> Callable:
     """`_segment_forward` or `_segment_vjp` of layers a..b-1 under mx.compile, kept per model and program.
 
-    The layers' own arrays (LoRA dropout keys and, inside `stack.positions`, the RoPE wrappers' positions
+    The layers' own arrays (dropout keys and, inside `stack.positions`, the RoPE wrappers' positions
     included) are the compiled function's implicit inputs; masks travel as arrays (orpo.engine.compiled).
     """
     states = [layer.state for layer in stack.layers[a:b]]

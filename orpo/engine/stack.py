@@ -116,12 +116,6 @@ def trainables_replaced(modules: Sequence[nn.Module], arrays: Sequence[mx.array]
                 m.update(tree_unflatten(items))
 
 
-# How packed rows' full-attention layers attend: two causal attentions (SplitRows) on aligned rows, one
-# causal attention with exclusion dims (ExclusionMask) on tight rows; the rows say which. Split does the
-# least attention work, tight rows the least padding for pairs of their own lengths.
-PACKED_ATTENTION = ("auto", "split", "exclusion")
-
-
 class Stack:
     """The parts of one mlx-lm model: embed, run layers a..b with chosen masks and positions, final norm."""
 

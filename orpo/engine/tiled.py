@@ -5,7 +5,9 @@ The MLP acts on each token alone, so its vjp over T tokens is the sum (parameter
 swapped for `TiledMLP`: a custom function of (x, the MLP's trainable arrays) whose forward keeps nothing
 and whose vjp recomputes one chunk at a time, each chunk made to wait for the previous one's results.
 The MLP's [tokens, intermediate] activations, most of a layer's working set, then exist for one chunk at
-a time (as far as MLX's run-ahead allows; `train.engine.memory_limit_gb` bounds that too).
+a time (as far as MLX's run-ahead allows; `train.engine.memory_limit_gb` bounds that too). The MLP must
+compute the same per token whatever the chunk: a dropout drawn over the input's shape would not (the
+caller refuses it).
 """
 
 from __future__ import annotations
@@ -19,7 +21,6 @@ from mlx.utils import tree_flatten
 
 from orpo.engine.queue import after
 from orpo.engine.stack import trainables_replaced
-from orpo.train.lora import LoRALinear
 
 
 def tiled_vjp(mlp: nn.Module, chunks: int) -> Callable[..., mx.array]:
@@ -63,23 +64,12 @@ class TiledMLP(nn.Module):
         return self._fn(x, *(v for _, v in tree_flatten(self.inner.trainable_parameters())))
 
 
-def _refuse_dropout(mlp: nn.Module) -> None:
-    """A chunk's recompute would draw its LoRA dropout mask over the chunk's shape, not the forward's: refuse."""
-    for name, m in mlp.named_modules():
-        if isinstance(m, LoRALinear) and m.training and m.p > 0:
-            raise ValueError(f"train.engine.mlp_chunks > 1 with LoRA dropout on the MLP ({name}, dropout {m.p}): "
-                             "a chunked recompute would draw other dropout masks; set lora.dropout: 0 or "
-                             "mlp_chunks: 1")
-
-
 @contextmanager
 def tiled_mlps(layers: list[nn.Module], chunks: int) -> Iterator[None]:
     """While inside, each layer's `mlp` is a TiledMLP of itself (chunks <= 1: nothing changes); always restored."""
     if chunks <= 1:
         yield
         return
-    for layer in layers:
-        _refuse_dropout(layer.mlp)
     originals = [layer.mlp for layer in layers]
     try:
         for layer, mlp in zip(layers, originals):

@@ -56,6 +56,16 @@ class LoRALinear(nn.Module):
         return mx.addmm(y, x @ self.lora_a.astype(dt), self.lora_b.astype(dt), alpha=self.scale)
 
 
+def refuse_mlp_dropout(layers: list[nn.Module]) -> None:
+    """The MLP differentiated in token chunks would draw its dropout masks over a chunk's shape: refuse dropout there."""
+    for layer in layers:
+        for name, m in layer.mlp.named_modules():
+            if isinstance(m, LoRALinear) and m.training and m.p > 0:
+                raise ValueError(f"train.engine.mlp_chunks > 1 with LoRA dropout on the MLP ({name}, dropout {m.p}): "
+                                 "a chunked recompute would draw other dropout masks; set lora.dropout: 0 or "
+                                 "mlp_chunks: 1")
+
+
 def block_keys(model: nn.Module, targets: list[str]) -> list[str]:
     """Block-relative module paths (e.g. 'self_attn.q_proj') whose last part is in `targets`."""
     names = {name for name, m in model.layers[0].named_modules() if isinstance(m, (nn.Linear, nn.QuantizedLinear))}

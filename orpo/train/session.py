@@ -19,8 +19,6 @@ from mlx_lm.utils import load_model
 
 from orpo.batching import batch_schedule
 from orpo.config import section_defaults
-from orpo.engine.objective import (MicroBatch, batch_value_and_grad, check_attention, pair_logps, prepare,
-                                   resolve_engine, tight_rows_fit)
 from orpo.engine.queue import memory_limit
 from orpo.io import sha256_file
 from orpo.optim import FlatAdamW, lora_adamw, warmup_steps_for
@@ -30,7 +28,8 @@ from orpo.train.data import Pairs, load_pairs, pair_lengths, pair_tokens
 from orpo.train.distributed import Shard, join
 from orpo.train.keys import DropoutKeys
 from orpo.train.lora import adapter_folder, apply_lora, warm_start
-from orpo.train.loss import orpo_loss
+from orpo.train.step import (MicroBatch, batch_value_and_grad, check_attention, orpo_loss, pair_logps, prepare,
+                             resolve_engine, tight_rows_fit)
 
 DEFAULTS: dict[str, Any] = section_defaults("train")
 

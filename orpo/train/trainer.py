@@ -15,7 +15,6 @@ from typing import Any, Iterator
 
 import mlx.core as mx
 
-from orpo.engine.objective import is_plain
 from orpo.folders import mark_complete, require_complete
 from orpo.io import atomic_path, sha256_file, write_json
 from orpo.train.checkpoint import (kept_steps, load_checkpoint, prune_checkpoints, read_index, resolve_step,
@@ -25,6 +24,7 @@ from orpo.train.lora import save_adapter
 from orpo.train.memory import cache_policy
 from orpo.train.progress import Progress
 from orpo.train.session import DEFAULTS, Session, TrainingError, build_session, resolve_settings
+from orpo.train.step import is_plain
 
 __all__ = ["DEFAULTS", "Session", "TrainingError", "build_session", "replay", "resolve_settings", "train"]
 

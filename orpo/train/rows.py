@@ -1,9 +1,9 @@
-"""Pairs -> forward rows plus where each scored token's predicting hidden state sits.
+"""Pairs -> the engine's forward rows (a Layout) plus where each scored token's predicting hidden state sits.
 
 Two layouts. `plain_rows`: the trainer's [chosen; rejected] causal rows (2B rows). `shared_rows`: prefix
 sharing, one row per pair, rejected blind to chosen and its RoPE positions restarted at the prompt length,
 so the prompt is computed once. Its rows are aligned, [prompt; chosen; pad | rejected; pad] with every
-rejected block at one column (what the split attention needs: `attention.SplitRows`), or tight,
+rejected block at one column (what the split attention needs: `orpo.engine.attention.SplitRows`), or tight,
 [prompt; chosen; rejected; pad] (attended with the exclusion dims). Widths and target counts are
 rungs of `orpo.batching.ladder`, so variable-length data gives few distinct shapes (and compiled traces).
 A pair's prompt is everything before its first scored token; a pair whose chosen and rejected prompts
@@ -26,6 +26,9 @@ from orpo.batching import ladder, pad_rows
 from orpo.engine.attention import SplitRows
 from orpo.engine.stack import Layout
 from orpo.train.data import Pairs, pair_batch
+
+# How shared rows attend: split (aligned rows) or exclusion (tight rows); auto picks per micro-batch.
+PACKED_ATTENTION = ("auto", "split", "exclusion")
 
 
 @dataclass

@@ -1,13 +1,16 @@
-"""The one entry the trainer calls: ORPO loss, metrics and LoRA gradients of a micro-batch, by the engine's settings.
+"""One ORPO training step, top to bottom: pairs -> rows -> log-probs -> loss -> gradients.
 
-head (naive | fused) x segment_layers (0 = plain backward) x prefix_sharing x width_multiple x compile
-compose freely. All naive, no segments, no sharing is the trainer's
-original path itself (full logits of [chosen; rejected] rows under nn.value_and_grad), so it stays
-bit-identical; every other setting goes through our stack forward.
+`prepare` packs a micro-batch's pairs into the engine's rows on the host; `batch_value_and_grad` runs
+them through the model (orpo.engine: our stack forward, the log-prob head, the segmented backward) to
+per-sequence mean log-probs, the ORPO loss over them and the LoRA gradients. The settings
+(train.engine: head x segment_layers x prefix_sharing x width_multiple x compile) compose freely and give
+the same loss and gradients within float tolerance. All naive, no segments, no sharing is the plain path:
+full logits of [chosen; rejected] rows under nn.value_and_grad, the oracle the others are tested against.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,13 +21,14 @@ from orpo.config import section_defaults
 from orpo.device import on_cuda
 from orpo.engine.attention import CUDNN_MAX_HEAD_DIM, exclusion_fits
 from orpo.engine.compiled import kept, layout_arrays, layout_from
-from orpo.engine.head import LMHead, fused_logp, fused_logp_eager, head_logits, lm_head_of
-from orpo.engine.prefix import PackedPairs, plain_rows, shared_rows
+from orpo.engine.head import LMHead, fused_logp_eager, lm_head_of, response_mean_logps, token_logp
 from orpo.engine.segmented import segmented_value_and_grad
-from orpo.engine.stack import PACKED_ATTENTION, Stack, head_dim_of
+from orpo.engine.stack import Stack, head_dim_of
 from orpo.train.data import Pairs, pair_batch
-from orpo.train.head import response_mean_logps
-from orpo.train.loss import orpo_loss
+from orpo.train.lora import refuse_mlp_dropout
+from orpo.train.rows import PACKED_ATTENTION, PackedPairs, plain_rows, shared_rows
+
+# --- the settings ---
 
 ENGINE_DEFAULTS: dict[str, Any] = section_defaults("train")["engine"]
 
@@ -91,12 +95,6 @@ def is_plain(engine: dict[str, Any]) -> bool:
     return all(engine[k] == v for k, v in PLAIN.items())
 
 
-def naive_pair_loss(model: nn.Module, tokens: mx.array, mask: mx.array, n: int, lam: float) -> tuple[mx.array, dict[str, mx.array]]:
-    """ORPO loss and metrics of a [chosen; rejected] batch of n pairs, full logits (the trainer's original loss)."""
-    logps = response_mean_logps(model, tokens, mask)
-    return orpo_loss(logps[:n], logps[n:], lam)
-
-
 def tight_rows_fit(model: nn.Module) -> bool:
     """Whether prefix rows of pairs of their own lengths may be tight here (exclusion dims at full speed)."""
     return exclusion_fits(head_dim_of(model), on_cuda())
@@ -110,28 +108,15 @@ def check_attention(model: nn.Module, engine: dict[str, Any]) -> None:
                          "(the fallback keeps [B, H, L, L] scores); use auto or split")
 
 
+# --- pairs -> rows ---
+
+
 def pack(pairs: Pairs, engine: dict[str, Any], tight: bool = True) -> PackedPairs:
     """The forward rows of `pairs`: shared-prefix rows (tight ones only where `tight`), or the plain rows."""
     m = input_multiple(engine)
     if not engine["prefix_sharing"]:
         return plain_rows(pairs, m)
     return shared_rows(pairs, m, engine["prefix_attention"], tight)
-
-
-def scored_rows(hidden: mx.array, packed: PackedPairs) -> mx.array:
-    """The final hidden states [M, H] that predict the scored tokens, in packed.targets' order."""
-    return mx.take(hidden.reshape(-1, hidden.shape[-1]), packed.index, axis=0)
-
-
-def packed_logps(head: LMHead, hidden: mx.array, packed: PackedPairs, engine: dict[str, Any]) -> mx.array:
-    """Mean response log-prob of each sequence [2B] (chosen rows, then rejected) from final hidden states."""
-    h = scored_rows(hidden, packed)
-    if engine["head"] == "fused":
-        logp = fused_logp(head, h, packed.targets, int(engine["head_chunk"]))
-    else:
-        logits = head_logits(head, h).astype(mx.float32)
-        logp = mx.take_along_axis(logits, packed.targets[:, None], axis=-1)[:, 0] - mx.logsumexp(logits, axis=-1)
-    return packed.weights @ logp
 
 
 @dataclass(frozen=True)
@@ -170,6 +155,83 @@ def prepare(pairs: Pairs, engine: dict[str, Any] | None, tight: bool = True) -> 
                       packed=packed)
 
 
+# --- rows -> log-probs ---
+
+
+def scored_rows(hidden: mx.array, packed: PackedPairs) -> mx.array:
+    """The final hidden states [M, H] that predict the scored tokens, in packed.targets' order."""
+    return mx.take(hidden.reshape(-1, hidden.shape[-1]), packed.index, axis=0)
+
+
+def packed_logps(head: LMHead, hidden: mx.array, packed: PackedPairs, engine: dict[str, Any]) -> mx.array:
+    """Mean response log-prob of each sequence [2B] (chosen rows, then rejected) from final hidden states."""
+    logp = token_logp(head, scored_rows(hidden, packed), packed.targets, engine["head"] == "fused",
+                      int(engine["head_chunk"]))
+    return packed.weights @ logp
+
+
+# --- log-probs -> loss (Hong et al. 2024) ---
+
+_LN_HALF = -math.log(2.0)
+
+
+def log1mexp(x: mx.array) -> mx.array:
+    """log(1 - exp(x)) for x < 0, stable at both ends (Maechler's two-branch form).
+
+    Each branch gets a clamped input so the branch `where` discards never produces inf/NaN, whose
+    gradient would otherwise poison the one it keeps.
+    """
+    x = mx.minimum(x, -1e-12)
+    near = x > _LN_HALF
+    x_near = mx.where(near, x, _LN_HALF)
+    x_far = mx.where(near, _LN_HALF, x)
+    return mx.where(near, mx.log(-mx.expm1(x_near)), mx.log1p(-mx.exp(x_far)))
+
+
+def orpo_terms(logp_chosen: mx.array, logp_rejected: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+    """Per row: (nll, or_loss, log_odds) from mean response log-probs l_w, l_r.
+
+    log_odds = (l_w - l_r) - (log1mexp(l_w) - log1mexp(l_r)); or_loss = -log sigmoid(log_odds); nll = -l_w.
+    """
+    log_odds = (logp_chosen - logp_rejected) - (log1mexp(logp_chosen) - log1mexp(logp_rejected))
+    or_loss = -nn.log_sigmoid(log_odds)
+    return -logp_chosen, or_loss, log_odds
+
+
+def orpo_loss(logp_chosen: mx.array, logp_rejected: mx.array, lam: float) -> tuple[mx.array, dict[str, mx.array]]:
+    """Batch mean of NLL(chosen) + lambda * L_OR, and the metrics the trainer logs."""
+    nll, or_loss, log_odds = orpo_terms(logp_chosen, logp_rejected)
+    loss = (nll + lam * or_loss).mean()
+    metrics = {
+        "loss": loss,
+        "nll": nll.mean(),
+        "or_loss": or_loss.mean(),
+        "log_odds": log_odds.mean(),
+        "logp_chosen": logp_chosen.mean(),
+        "logp_rejected": logp_rejected.mean(),
+        "accuracy": (logp_chosen > logp_rejected).astype(mx.float32).mean(),
+        "margin": (logp_chosen - logp_rejected).mean(),
+    }
+    return loss, metrics
+
+
+def naive_pair_loss(model: nn.Module, tokens: mx.array, mask: mx.array, n: int, lam: float) -> tuple[mx.array, dict[str, mx.array]]:
+    """ORPO loss and metrics of a [chosen; rejected] batch of n pairs, full logits (the trainer's original loss)."""
+    logps = response_mean_logps(model, tokens, mask)
+    return orpo_loss(logps[:n], logps[n:], lam)
+
+
+def whole_loss(model: nn.Module, packed: PackedPairs, n: int, lam: float,
+               e: dict[str, Any]) -> tuple[mx.array, dict[str, mx.array]]:
+    """ORPO loss and metrics of n pairs' packed rows through the whole stack and the head (one graph)."""
+    hidden = Stack(model).hidden(packed.layout)
+    logps = packed_logps(lm_head_of(model), hidden, packed, e)
+    return orpo_loss(logps[:n], logps[n:], lam)
+
+
+# --- loss -> gradients ---
+
+
 def batch_value_and_grad(model: nn.Module, batch: MicroBatch, lam: float,
                          engine: dict[str, Any] | None) -> tuple[tuple[mx.array, dict[str, mx.array]], Any]:
     """((loss, metrics), grads) of the ORPO loss over a prepared micro-batch; metrics as orpo_loss's plus
@@ -198,10 +260,28 @@ def pair_value_and_grad(model: nn.Module, pairs: Pairs, lam: float,
     return batch_value_and_grad(model, prepare(pairs, engine, tight_rows_fit(model)), lam, engine)
 
 
+def _compiled_whole(model: nn.Module, packed: PackedPairs, n: int, lam: float,
+                    e: dict[str, Any]) -> tuple[tuple[mx.array, dict[str, mx.array]], Any]:
+    """nn.value_and_grad of `whole_loss` under mx.compile (the model's arrays are its implicit inputs)."""
+    structure, arrays = layout_arrays(packed.layout)
+
+    def build() -> Any:
+        def loss(arrays: dict[str, mx.array], index: mx.array, targets: mx.array, weights: mx.array) -> Any:
+            p = PackedPairs(layout_from(structure, arrays), index, targets, weights, 0)
+            return whole_loss(model, p, n, lam, e)
+
+        return mx.compile(nn.value_and_grad(model, loss), inputs=model.state, outputs=model.state)
+
+    key = ("whole", tuple(sorted((k, str(v)) for k, v in e.items())), n, lam, structure)
+    return kept(model, key, build)(arrays, packed.index, packed.targets, packed.weights)
+
+
 def _segmented(model: nn.Module, packed: PackedPairs, n: int, lam: float,
                e: dict[str, Any]) -> tuple[tuple[mx.array, dict[str, mx.array]], Any]:
     """((loss, metrics), grads) through the segmented backward; a fused head runs eagerly, chunk by chunk."""
     stack, head = Stack(model), lm_head_of(model)
+    if int(e["mlp_chunks"]) > 1:
+        refuse_mlp_dropout(stack.layers)
 
     def loss_of(logps: mx.array) -> tuple[mx.array, dict[str, mx.array]]:
         return orpo_loss(logps[:n], logps[n:], lam)
@@ -225,28 +305,7 @@ def _segmented(model: nn.Module, packed: PackedPairs, n: int, lam: float,
                                     bool(e["compile"]), int(e["overlap"]), int(e["mlp_chunks"]))
 
 
-def whole_loss(model: nn.Module, packed: PackedPairs, n: int, lam: float,
-               e: dict[str, Any]) -> tuple[mx.array, dict[str, mx.array]]:
-    """ORPO loss and metrics of n pairs' packed rows through the whole stack and the head (one graph)."""
-    hidden = Stack(model).hidden(packed.layout)
-    logps = packed_logps(lm_head_of(model), hidden, packed, e)
-    return orpo_loss(logps[:n], logps[n:], lam)
-
-
-def _compiled_whole(model: nn.Module, packed: PackedPairs, n: int, lam: float,
-                    e: dict[str, Any]) -> tuple[tuple[mx.array, dict[str, mx.array]], Any]:
-    """nn.value_and_grad of `whole_loss` under mx.compile (the model's arrays are its implicit inputs)."""
-    structure, arrays = layout_arrays(packed.layout)
-
-    def build() -> Any:
-        def loss(arrays: dict[str, mx.array], index: mx.array, targets: mx.array, weights: mx.array) -> Any:
-            p = PackedPairs(layout_from(structure, arrays), index, targets, weights, 0)
-            return whole_loss(model, p, n, lam, e)
-
-        return mx.compile(nn.value_and_grad(model, loss), inputs=model.state, outputs=model.state)
-
-    key = ("whole", tuple(sorted((k, str(v)) for k, v in e.items())), n, lam, structure)
-    return kept(model, key, build)(arrays, packed.index, packed.targets, packed.weights)
+# --- validation: log-probs without gradients ---
 
 
 def pair_logps(model: nn.Module, pairs: Pairs, engine: dict[str, Any] | None) -> tuple[mx.array, mx.array]:

@@ -15,11 +15,13 @@ report: "workflow/report/workflow.rst"
 include: "workflow/rules/common.smk"
 
 
-# Every experiment's IFEval scores and figures; judge figures where a judge is configured; the paper table.
+# Every experiment's IFEval scores and figures, the summary across them; judge figures where a judge is
+# configured; the paper table.
 rule all:
     input:
         experiment_targets("ifeval.json"),
         experiment_targets("plots/training.png"),
+        "results/summary.md",
         [L.path(n, "plots/judge.png") for n in L.configs if L.judged(n)],
         [f"results/paper/{config['paper']['name']}/table.md"] if config["paper"]["name"] else [],
 
@@ -35,4 +37,5 @@ include: "workflow/rules/ifeval.smk"
 include: "workflow/rules/judge.smk"
 include: "workflow/rules/spin.smk"
 include: "workflow/rules/plots.smk"
+include: "workflow/rules/summary.smk"
 include: "workflow/rules/paper.smk"

@@ -229,13 +229,25 @@ def cmd_env(a: argparse.Namespace) -> Any:
 def cmd_report_plots(a: argparse.Namespace) -> Any:
     from orpo.report.plots import write_plots
 
-    return write_plots(a.run, a.ifeval, a.curated, a.rendered, dict(a.benchmarks), a.out)
+    return write_plots(a.run, a.ifeval, a.curated, a.rendered, dict(a.benchmarks), a.out, a.ifeval_details)
 
 
 def cmd_report_judge(a: argparse.Namespace) -> Any:
     from orpo.report.plots import write_judge
 
     return write_judge(a.summary, a.out)
+
+
+def cmd_report_summary(a: argparse.Namespace) -> Any:
+    from orpo.report.summary import write_summary
+
+    return write_summary(a.experiments, a.out, a.plot)
+
+
+def cmd_report_show(a: argparse.Namespace) -> Any:
+    from orpo.report.summary import show
+
+    show(a.summary)
 
 
 def cmd_report_paper(a: argparse.Namespace) -> Any:
@@ -374,7 +386,17 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--curated", required=True)
     q.add_argument("--rendered", required=True)
     q.add_argument("--benchmarks", nargs="*", type=_labelled, default=[], help="RULE=benchmark.tsv (missing files skipped)")
+    q.add_argument("--ifeval-details", help="the ifeval stage's details folder (per-instruction counts and intervals)")
     q.add_argument("--out", required=True, help="folder for the figures and tables")
+    q = rsub.add_parser("summary", help="the run's summary across experiments: markdown table and figure")
+    q.set_defaults(fn=cmd_report_summary)
+    q.add_argument("--experiments", type=_settings, required=True,
+                   help='{NAME: {"folder": results/[NAME/], "adapter": generate.adapter}} as JSON or @file')
+    q.add_argument("--out", required=True, help="the summary markdown (results/summary.md)")
+    q.add_argument("--plot", required=True, help="the summary figure (results/summary.png)")
+    q = rsub.add_parser("show", help="print a summary markdown file as a console table")
+    q.set_defaults(fn=cmd_report_show)
+    q.add_argument("summary", help="results/summary.md")
     q = rsub.add_parser("judge", help="judge win-rate figure and table")
     q.set_defaults(fn=cmd_report_judge)
     q.add_argument("--summary", required=True, help="the judge stage's summary.json")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import datetime
 import functools
 import os
 import re
@@ -99,6 +100,8 @@ def _coerce(node: Any, schema: dict[str, Any]) -> Any:
     """`node` with its scalar strings read as numbers, booleans or null where the schema wants them (in place)."""
     if isinstance(node, str):
         return _reading(node, schema)
+    if isinstance(node, datetime.date) and "string" in _accepts(schema)[0]:
+        return node.isoformat()  # YAML reads an unquoted 2024-07-26 as a date
     if isinstance(node, dict):
         props, extra = schema.get("properties", {}), schema.get("additionalProperties")
         for key, value in node.items():

@@ -18,7 +18,17 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 from tokenizers import Tokenizer
 from tqdm import tqdm
 
-from orpo.render.template import ChatTemplate, encode_generation_prompt, load_template, load_tokenizer, resolve_model_dir
+from orpo.config import section_defaults
+from orpo.render.template import (
+    ChatTemplate,
+    encode_generation_prompt,
+    load_template,
+    load_tokenizer,
+    pin_date,
+    resolve_model_dir,
+)
+
+RENDER_DEFAULTS = section_defaults("render")
 
 
 @dataclass
@@ -75,13 +85,13 @@ def load_generator(
 ) -> Generator:
     """Load a model folder or hub id, optionally with a LoRA adapter folder, for generation.
 
-    `render` is the render stage's settings: its template override and template variables apply here
-    too, so generation prompts are rendered exactly as training prompts were.
+    `render` is the render stage's settings: its template override, template variables and date apply
+    here too, so generation prompts are rendered exactly as training prompts were.
     """
     render = render or {}
     model_dir = resolve_model_dir(model, weights=True)
     net, wrapper = load(str(model_dir), adapter_path=str(adapter) if adapter else None)
-    chat = load_template(model_dir, render.get("template"))
+    chat = pin_date(load_template(model_dir, render.get("template")), render.get("date", RENDER_DEFAULTS["date"]))
     context, source = context_length(model_dir) or (None, None)
     return Generator(net, wrapper, chat, load_tokenizer(model_dir), dict(render.get("template_kwargs") or {}),
                      context, source)

@@ -87,6 +87,15 @@ def test_strings_read_as_numbers_where_the_schema_wants_numbers():
     assert config["paper"]["models"][0]["published"]["inst_strict"] == 0.5
 
 
+def test_render_date_defaults_pinned_and_reads_an_unquoted_yaml_date():
+    assert validate_config({}, PROJECT_ROOT)["render"]["date"] == "2024-07-26"
+    config = yaml.safe_load("render:\n  date: 2031-03-05\n")  # PyYAML gives a datetime.date
+    assert validate_config(config, PROJECT_ROOT)["render"]["date"] == "2031-03-05"
+    assert validate_config({"render": {"date": None}}, PROJECT_ROOT)["render"]["date"] is None
+    with pytest.raises(ConfigError, match="render.date: '5 Mar 2031' does not match"):
+        validate_config({"render": {"date": "5 Mar 2031"}}, PROJECT_ROOT)
+
+
 @pytest.mark.parametrize(
     "train, message",
     [

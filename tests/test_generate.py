@@ -79,3 +79,25 @@ def test_generation_reports_progress_to_stderr(tiny_base, tmp_path, capfd):
     lines = [x for x in err if x.startswith("generate[base]:")]
     assert 5 <= len(lines) <= 11  # pytest's stderr is not a terminal: ~10% lines, not one per 12 batches
     assert lines[-1].startswith(f"generate[base]: 12/12 prompts (100%), {stats['generated_tokens']} tokens")
+
+
+def test_generation_prompts_carry_the_render_date(tiny_base):
+    from datetime import datetime
+
+    from conftest import ROOT
+
+    from orpo.generation import load_generator
+
+    llama3 = str(ROOT / "tests" / "fixtures" / "templates" / "llama3.jinja")
+    chat = [{"role": "user", "content": "hi"}]
+
+    def system_line(render):
+        gen = load_generator(tiny_base, None, {**render, "template_kwargs": {"bos_token": ""}})  # tiny has no BOS
+        text = gen.chat.render(chat, add_generation_prompt=True, **gen.template_kwargs)
+        return next(line for line in text.splitlines() if line.startswith("Today Date:"))
+
+    assert system_line({"template": llama3}) == "Today Date: 26 Jul 2024"  # the schema's default, as render's
+    assert system_line({"template": llama3, "date": "2031-03-05"}) == "Today Date: 05 Mar 2031"
+    before = datetime.now().strftime("%d %b %Y")
+    live = system_line({"template": llama3, "date": None})
+    assert live in (f"Today Date: {before}", f"Today Date: {datetime.now():%d %b %Y}")

@@ -97,7 +97,7 @@ def test_render_pairs_end_to_end(tmp_path: Path) -> None:
     assert manifest["splits"]["validation"] == {"input_rows": 1, "output_rows": 1, "dropped": {}}
     assert manifest["seam_merges"]["count"] == 0 and manifest["truncated_prompts"]["count"] == 0
     assert manifest["settings"] == {"max_length": 1024, "max_prompt_length": 512, "template": None, "samples": 2,
-                                    "template_kwargs": {}}
+                                    "template_kwargs": {}, "date": "2024-07-26"}
     assert manifest["template"]["sha256"] == hashlib.sha256(
         (model / "chat_template.jinja").read_bytes()).hexdigest()
     assert json.loads((out / "manifest.json").read_text()) == manifest
@@ -381,7 +381,8 @@ def test_override_template_setting_and_vocab_check(tmp_path: Path) -> None:
     manifest = render_pairs(model, write_curated(tmp_path / "c", ROWS[:2]), tmp_path / "o",
                             {"template": str(override)})
     assert manifest["template"] == {"source": f"{override} (override)",
-                                    "sha256": hashlib.sha256(override.read_bytes()).hexdigest()}
+                                    "sha256": hashlib.sha256(override.read_bytes()).hexdigest(),
+                                    "date": None, "calls_strftime_now": False}
     clean = ChatTemplate(override.read_text(), "clean", fam["tokens"])
     assert read(tmp_path / "o")[0]["prompt_ids"] == encode_generation_prompt(clean, tok, ROWS[0]["prompt"])
     # A template printing a token the model's embedding doesn't have is an error, not a silent index overflow.
@@ -419,12 +420,31 @@ def test_template_that_omits_the_assistants_content_drops_identical_pairs(tmp_pa
     assert "warning: dropped 3 of 3 pairs: identical_responses 3" in err
 
 
-def test_strftime_template_warns_unless_date_is_pinned(tmp_path: Path) -> None:
+def test_strftime_template_prints_the_pinned_date_and_warns_only_when_unpinned(tmp_path: Path, capsys) -> None:
     model = builders.family_model(tmp_path / "llama3", "llama3")
     curated = write_curated(tmp_path / "c", ROWS[:1])
-    assert render_pairs(model, curated, tmp_path / "o", {})["warnings"]
-    assert render_pairs(model, curated, tmp_path / "o", {"template_kwargs": DATE})["warnings"] == []
+    pinned = render_pairs(model, curated, tmp_path / "o", {})  # the schema's default date
+    assert pinned["warnings"] == [] and pinned["template"]["date"] == "2024-07-26" == pinned["settings"]["date"]
+    assert pinned["template"]["calls_strftime_now"] and "render.date 2024-07-26" in pinned["notes"][0]
     assert "Today Date: 26 Jul 2024" in (tmp_path / "o" / "samples.txt").read_text()
+    assert "orpo render: note: the template calls strftime_now" in capsys.readouterr().err
+    other = render_pairs(model, curated, tmp_path / "o", {"date": "2031-03-05"})
+    assert other["template"]["date"] == "2031-03-05" and "Today Date: 05 Mar 2031" in (tmp_path / "o" / "samples.txt").read_text()
+    live = render_pairs(model, curated, tmp_path / "o", {"date": None})
+    assert live["template"]["date"] is None and "render.date is null" in live["warnings"][0]
+    assert "orpo render: warning: the template calls strftime_now and render.date is null" in capsys.readouterr().err
+    # A template variable that sets the date itself leaves nothing to pin or warn about.
+    own = render_pairs(model, curated, tmp_path / "o", {"date": None, "template_kwargs": DATE})
+    assert own["warnings"] == [] and own["notes"] == [] and own["template"]["date"] is None
+    with pytest.raises(ValueError, match="date must be YYYY-MM-DD"):
+        render_pairs(model, curated, tmp_path / "o", {"date": "26 Jul 2024"})
+
+
+def test_a_template_without_strftime_now_records_no_date(tmp_path: Path) -> None:
+    model = builders.family_model(tmp_path / "chatml", "chatml")
+    manifest = render_pairs(model, write_curated(tmp_path / "c", ROWS[:1]), tmp_path / "o", {})
+    assert manifest["template"]["date"] is None and not manifest["template"]["calls_strftime_now"]
+    assert manifest["notes"] == []
 
 
 def test_fit_length_edges() -> None:

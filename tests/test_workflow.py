@@ -140,6 +140,15 @@ def test_judge_rules_against_a_real_server(workflow_run):
     assert len(verdicts) == 8
 
 
+def test_spin_iterations_chain_each_on_the_previous_run(tmp_path):
+    """`snakemake spin` with two iterations: iteration 2 generates with iteration 1's run as its adapter."""
+    (tmp_path / "micro.yaml").write_text(yaml.safe_dump({**MICRO, "spin": {"iterations": 2}}))
+    result = snakemake(tmp_path, "-n", "-p", "spin")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert job_counts(result)["spin_pairs"] == 2
+    assert re.search(r"orpo spin .*--adapter results/spin/iter1/run .*--iteration 2 ", result.stdout + result.stderr)
+
+
 def test_spin_iteration_runs_in_the_dag_and_its_pairs_train(workflow_run):
     spin = {"limit": 24, "max_tokens": 24, "validation_fraction": 0.2}
     (workflow_run / "spin.yaml").write_text(yaml.safe_dump({**MICRO, "spin": spin}))

@@ -1,10 +1,12 @@
 """Experiment grids: experiments merge onto the config, shared stages are keyed by their settings and built once."""
 
+import json
 import re
 
+import matplotlib.image
 import pytest
 import yaml
-from test_workflow import MICRO, job_counts, snakemake
+from test_workflow import MICRO, job_counts, micro_workflow, session_repo, snakemake, workspace
 
 from orpo.config import ConfigError, validate_config
 from orpo.experiments import Layout, expand, stage_keys
@@ -25,12 +27,57 @@ def test_two_lambdas_compute_upstream_once_and_train_to_ifeval_twice(tmp_path):
     result = snakemake(tmp_path, "-n", config=("micro.yaml", "grid.yaml"))
     assert result.returncode == 0, result.stderr[-3000:]
     assert job_counts(result) == {"data": 1, "base": 1, "curate": 1, "render": 1, "generate_base": 1,
-                                  "train": 2, "replay": 2, "generate_orpo": 2, "ifeval": 2, "plots": 2, "all": 1}
+                                  "train": 2, "replay": 2, "generate_orpo": 2, "ifeval": 2, "plots": 2, "summary_table": 1,
+                                  "all": 1}
     paths = outputs(result)
     assert {"results/lam01/ifeval.json", "results/lam05/ifeval.json",
             "results/lam01/train/run/complete.json", "results/lam05/train/run/complete.json"} <= set(paths)
     shared = [p for p in paths if p.startswith("results/shared/")]
     assert len(shared) == 5 and all(re.match(r"results/shared/[0-9a-f]{10}/", p) for p in shared)
+
+
+def test_a_grid_run_summarises_every_experiment(tmp_path_factory, tmp_path):
+    """Two experiments trained for real on the micro run's base model and rows: results/summary.md holds each
+    one's IFEval of base and trained model with 95% intervals, its validation accuracy and replay, and
+    results/summary.png shows them side by side."""
+    micro = micro_workflow(tmp_path_factory)
+    work = workspace(session_repo(tmp_path_factory), tmp_path / "grid")
+    config = {**MICRO, "model": {"path": str(micro / "results" / "base" / "model")},
+              "data": {"raw": str(micro / "results" / "data" / "raw.jsonl")},
+              "train": {**MICRO["train"], "max_steps": 4},
+              "experiments": {"lam01": {"train": {"lambda": 0.1}}, "lam05": {"train": {"lambda": 0.5, "seed": 1}}}}
+    (work / "micro.yaml").write_text(yaml.safe_dump(config))
+    result = snakemake(work, "results/summary.md")
+    assert result.returncode == 0, result.stderr[-3000:]
+    md = (work / "results" / "summary.md").read_text()
+    ifeval, other, name = {}, {}, None
+    for line in md.splitlines():
+        cells = [c.strip() for c in line.strip("|").split("|")] if line.startswith("| ") else []
+        if len(cells) == 6 and cells[1] in ("base", "orpo", "orpo − base"):
+            name = cells[0].strip("`") or name
+            ifeval[(name, cells[1])] = cells[2:]
+        elif len(cells) == 3 and cells[0].startswith("`"):
+            other[cells[0].strip("`")] = cells[1:]
+    assert {n for n, _ in ifeval} == set(other) == {"lam01", "lam05"}
+    metrics = ("prompt_level_strict_acc", "prompt_level_loose_acc", "inst_level_strict_acc", "inst_level_loose_acc")
+    for name in ("lam01", "lam05"):
+        scores = json.loads((work / "results" / name / "ifeval.json").read_text())
+        for label in ("base", "orpo"):
+            m = scores["models"][label]
+            assert ifeval[(name, label)] == [f"{m[k]:.3f} [{m['ci95'][k]['lo']:.3f}, {m['ci95'][k]['hi']:.3f}]"
+                                             for k in metrics], (name, label)
+        d = scores["differences"]["orpo-base"]
+        assert ifeval[(name, "orpo − base")] == [f"{d[k]['estimate']:+.3f} [{d[k]['lo']:+.3f}, {d[k]['hi']:+.3f}]"
+                                                 for k in metrics]
+        index = json.loads((work / "results" / name / "train" / "run" / "index.json").read_text())
+        step = index["final_step"]
+        accuracy = index["checkpoints"][str(step)]["validation"]["accuracy"]
+        assert other[name][0] == (f"{index['baseline']['accuracy']:.3f} at step 0 → {accuracy:.3f} at step {step} "
+                                  "(final, scored)")
+        assert other[name][1].startswith("equal: step ")
+    assert "`results/lam01/plots/`" in md and "`results/lam05/plots/`" in md
+    image = matplotlib.image.imread(work / "results" / "summary.png")
+    assert image.shape[0] > 300 and image.shape[1] > 1000
 
 
 def full(config: dict) -> dict:

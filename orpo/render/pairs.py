@@ -29,6 +29,7 @@ import re
 import sys
 from collections.abc import Iterable
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -41,9 +42,11 @@ from orpo.io import InputError, atomic_path, sha256_file, write_json, write_text
 from orpo.render.template import (
     ChatTemplate,
     ChatTemplateError,
+    calls_strftime_now,
     encode,
     load_template,
     load_tokenizer,
+    pin_date,
     resolve_model_dir,
 )
 
@@ -309,7 +312,8 @@ def resolve_settings(settings: dict | None) -> dict:
     unknown = sorted(set(settings) - set(DEFAULTS))
     if unknown:
         raise ValueError(f"render settings: unknown keys {unknown}; known: {sorted(DEFAULTS)}")
-    out = {**DEFAULTS, **{k: v for k, v in settings.items() if v is not None or k == "template"}}
+    # A null template means the model's own; a null date means today's: both are values, not "unset".
+    out = {**DEFAULTS, **{k: v for k, v in settings.items() if v is not None or k in ("template", "date")}}
     for key, low in (("max_length", 2), ("max_prompt_length", 1), ("samples", 0)):
         if not isinstance(out[key], int) or isinstance(out[key], bool) or out[key] < low:
             raise ValueError(f"render settings: {key} must be an integer >= {low}, got {out[key]!r}")
@@ -319,6 +323,8 @@ def resolve_settings(settings: dict | None) -> dict:
         raise ValueError("render settings: template_kwargs must be a mapping")
     if out["template"] is not None:
         out["template"] = str(out["template"])
+    if hasattr(out["date"], "isoformat"):  # YAML reads an unquoted 2024-07-26 as a date
+        out["date"] = out["date"].isoformat()
     out["template_kwargs"] = dict(out["template_kwargs"])
     return out
 
@@ -416,11 +422,12 @@ def render_pairs(model_dir: str | os.PathLike, curated_dir: str | os.PathLike, o
     Writes `train.parquet`, `validation.parquet`, `samples.txt`, `manifest.json` under `out_dir` and
     returns the manifest. Settings: max_length (1024), max_prompt_length (512), template (None: the model's
     own; else a .jinja override path), samples (5), template_kwargs ({}: extra template variables, e.g.
-    {"date_string": "26 Jul 2024"} or {"enable_thinking": false}).
+    {"date_string": "26 Jul 2024"} or {"enable_thinking": false}), date ("2024-07-26": what strftime_now
+    returns; None = today).
     """
     cfg = resolve_settings(settings)
     model_path = resolve_model_dir(model_dir)
-    template = load_template(model_path, cfg["template"])
+    template = pin_date(load_template(model_path, cfg["template"]), cfg["date"])
     tokenizer = load_tokenizer(model_path)
     encoder = PairEncoder(template, tokenizer, cfg["template_kwargs"])
     vocab_size = _vocab_size(model_path)
@@ -462,16 +469,22 @@ def render_pairs(model_dir: str | os.PathLike, curated_dir: str | os.PathLike, o
         splits[split] = {"input_rows": len(rows), "output_rows": len(kept), "dropped": split_dropped.counts}
 
     input_rows = sum(s["input_rows"] for s in splits.values())
-    warnings = []
-    if "strftime_now" in template.variables and "date_string" not in cfg["template_kwargs"]:
-        warnings.append("the template calls strftime_now: rendered text may contain today's date; "
-                        "set template_kwargs.date_string to make the output reproducible")
+    warnings, notes = [], []
+    dated = calls_strftime_now(template) and "date_string" not in cfg["template_kwargs"]
+    if dated and cfg["date"] is None:
+        warnings.append(f"the template calls strftime_now and render.date is null: rendered text holds today's "
+                        f"date ({datetime.now():%Y-%m-%d}), so this render changes with the day; set render.date "
+                        "(YYYY-MM-DD) to pin it")
+    elif dated:
+        notes.append(f"the template calls strftime_now: it prints render.date {cfg['date']}, not today's date")
     if stats.get("content_not_located")["count"]:
         warnings.append(f"{stats.get('content_not_located')['count']} pairs' response text was not found in the "
                         "template's rendering (does the template write the assistant's content?)")
     if dropped.total():
         warnings.append(f"dropped {dropped.total()} of {input_rows} pairs: "
                         + ", ".join(f"{k} {v['count']}" for k, v in sorted(dropped.counts.items())))
+    for line in notes:
+        print(f"orpo render: note: {line}", file=sys.stderr)
     for line in warnings:
         print(f"orpo render: warning: {line}", file=sys.stderr)
     if input_rows and not outputs["train"]:
@@ -486,11 +499,13 @@ def render_pairs(model_dir: str | os.PathLike, curated_dir: str | os.PathLike, o
                                      "content_not_located", "no_end_of_turn")},
         "tokens": {k: {"max": max(v, default=0), "mean": round(sum(v) / len(v), 2) if v else 0}
                    for k, v in lengths.items()},
-        "template": {"source": template.source, "sha256": template.sha256},
+        "template": {"source": template.source, "sha256": template.sha256,
+                     "date": cfg["date"] if dated else None, "calls_strftime_now": calls_strftime_now(template)},
         "tokenizer": {"sha256": sha256_file(model_path / "tokenizer.json"), "vocab_size": vocab_size},
         "model": str(model_dir),
         "settings": cfg,
         "warnings": warnings,
+        "notes": notes,
     }
     assert manifest["input_rows"] == manifest["output_rows"] + dropped.total()
     picked = (outputs["train"] + outputs["validation"])[: cfg["samples"]]

@@ -12,7 +12,7 @@ import json
 import os
 import re
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime
 from functools import lru_cache
 from pathlib import Path
@@ -379,6 +379,22 @@ class ChatTemplate:
             raise ChatTemplateError(self.source, f"the template raised: {e.message}") from e
         except Exception as e:  # any jinja/sandbox/type error: same message shape, original chained
             raise ChatTemplateError(self.source, f"{type(e).__name__}: {e}") from e
+
+
+def pin_date(template: ChatTemplate, date: str | None) -> ChatTemplate:
+    """`template` with strftime_now reading `date` (YYYY-MM-DD, midnight) instead of the clock; None: unchanged."""
+    if date is None:
+        return template
+    try:
+        fixed = datetime.strptime(date, "%Y-%m-%d")
+    except (TypeError, ValueError):
+        raise ValueError(f"render settings: date must be YYYY-MM-DD or null, got {date!r}") from None
+    return replace(template, clock=lambda: fixed)
+
+
+def calls_strftime_now(template: ChatTemplate) -> bool:
+    """Whether the template can print the date (it reads strftime_now)."""
+    return "strftime_now" in template.variables
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -44,6 +44,9 @@ def source_input(source):
     return [source] if source and not source.startswith("hub:") else []
 
 
+# A stage's warnings and notes, printed to the console as well as kept in its log (the rest stays in the log).
+CONSOLE_NOTES = "(grep -hE '^orpo [a-z]+: (warning|note):' {log} >&2 || true)"
+
 # The rules call the `orpo` command of the Python that runs Snakemake (a venv need not be activated).
 os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
 
@@ -60,6 +63,7 @@ CODE = {
     "judge": code_version("orpo.eval.judge.core", dists=MLX),
     "spin": code_version("orpo.spin.core", dists=MLX),
     "report": code_version("orpo.report.plots", "orpo.report.tables", dists=("matplotlib",)),
+    "summary": code_version("orpo.report.summary", dists=("matplotlib",)),
 }
 
 
@@ -88,6 +92,12 @@ def rendering(name):
     return json.dumps(prompt_rendering(L.config(name)), sort_keys=True)
 
 
+def report_group(wildcards):
+    """An experiment's subcategory in the HTML report: its name; none in the flat layout (an empty name blanks
+    the report's result pages)."""
+    return L.name(wildcards.exp) or None
+
+
 def experiment_targets(rel):
     """results/[<name>/]<rel> for every experiment of the config."""
     return [L.path(name, rel) for name in L.configs]
@@ -109,7 +119,7 @@ def spin_sft_input(name):
     """spin.sft as a Snakemake input (none for a hub id); the default needs the curate stage's folder."""
     sft = L.config(name)["spin"]["sft"]
     if sft is None:
-        return [L.curated(name)]
+        return [marker(L.curated(name))]
     return [sft] if os.path.exists(sft) else []
 
 

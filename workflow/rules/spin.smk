@@ -22,7 +22,7 @@ rule spin_pairs:
         out=lambda wildcards, output: folder(output[0]),
         sft=per_exp(spin_sft_arg),
         model=per_exp(L.model_ref),
-        adapter=lambda wildcards, input: f"--adapter {folder(input.adapter)}" if input.adapter else "",
+        adapter=lambda wildcards, input: f"--adapter {folder(input.adapter[0])}" if input.adapter else "",
         render=per_exp(rendering),
         settings=per_exp(spin_settings),
         code=CODE["spin"],
@@ -54,7 +54,7 @@ rule spin_render:
         "benchmarks/{exp}spin_render_iter{k}.tsv"
     shell:
         "orpo render --model {params.model} --curated {params.pairs} --out {params.out} "
-        "--settings {params.settings:q} > {log} 2>&1"
+        "--settings {params.settings:q} > {log} 2>&1 && " + CONSOLE_NOTES
 
 
 rule spin_train:

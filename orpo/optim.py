@@ -51,7 +51,7 @@ class FlatAdamW:
         self.weight_decay, self.group_of, self.betas, self.eps = weight_decay, group_of, betas, eps
         self.layout: list[tuple[str, tuple[int, ...], int, int]] = []  # (name, shape, group, offset in the group)
         self.state: dict[str, Any] = {"step": mx.array(0, mx.uint64), "p": [], "m": [], "v": []}
-        self.attached = 0  # counts attach() calls: weights taken from the model (a start, a checkpoint restore)
+        self.attaches = 0  # attach() calls: weights taken from the model (a start, a checkpoint restore)
 
     def attach(self, model: nn.Module, moments: dict[str, mx.array] | None = None) -> None:
         """Take the model's trainable weights into the flat buffers (moments from `moments` or zero); views back.
@@ -80,7 +80,7 @@ class FlatAdamW:
                 self.state[k] = [flat(a) for a in parts]
         mx.eval(self.state)
         self._publish(model)
-        self.attached += 1
+        self.attaches += 1
 
     def _publish(self, model: nn.Module) -> None:
         views = [(name, self.state["p"][g][o : o + math.prod(shape)].reshape(shape))
@@ -96,7 +96,7 @@ class FlatAdamW:
         parts: list[list[mx.array]] = [[] for _ in self.rates]
         for name, _, g, _ in self.layout:
             parts[g].append(by_name[name].reshape(-1))
-        flat = [mx.concatenate(a).astype(p.dtype) if a else p for a, p in zip(parts, self.state["p"])]
+        flat = [mx.concatenate(a).astype(p.dtype) if a else mx.zeros_like(p) for a, p in zip(parts, self.state["p"])]
         norm = mx.sqrt(sum(mx.sum(mx.square(g)) for g in flat))
         if clip > 0:
             scale = mx.minimum(clip / (norm + 1e-6), 1.0)  # mlx.optimizers.clip_grad_norm's rule

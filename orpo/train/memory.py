@@ -34,6 +34,7 @@ class CachePolicy:
     """The cache limit a run sets: `setting` "auto" (derived, see the module) or a number of GB (0 = no cache)."""
 
     setting: str | float
+    mlx_limit: int = 0  # MLX's cache limit before the run (its own default unless set), a cap for the first step
     resident: int = 0  # active bytes before the first step: weights, adapters, optimizer state
     peak_seen: int = 0
     limit: int | None = None
@@ -52,8 +53,7 @@ class CachePolicy:
         self.resident = mx.get_active_memory()
         mx.reset_peak_memory()
         if self.setting == "auto":
-            current = mx.set_cache_limit(0)  # read it (MLX has no getter); set below
-            self._set(int(max(0, min(current, self._ceiling() - self.resident))), 0)
+            self._set(int(max(0, min(self.mlx_limit, self._ceiling() - self.resident))), 0)
 
     def _ceiling(self) -> float:
         return min(HEADROOM * device_memory(), mx.get_memory_limit())
@@ -86,7 +86,7 @@ def cache_policy(setting: str | float) -> Iterator[CachePolicy]:
     """While inside, the run's CachePolicy holds MLX's cache limit; the previous limit comes back after."""
     previous = mx.set_cache_limit(mx.get_memory_limit())  # read it (MLX has no getter) and restore it below
     mx.set_cache_limit(previous)
-    policy = CachePolicy(setting)
+    policy = CachePolicy(setting, previous)
     try:
         yield policy
     finally:

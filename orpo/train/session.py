@@ -140,13 +140,13 @@ class Session:
 
         Compiled anew whenever the optimizer took its weights from the model again (a start, a checkpoint restore).
         """
-        if not self.opt.attached:
+        if not self.opt.attaches:
             self.opt.attach(self.model)
-        if self._update is None or self._update[0] != self.opt.attached:
+        if self._update is None or self._update[0] != self.opt.attaches:
             clip = float(self.s["grad_clip"])
             state = [self.model.state, self.opt.state]
             compiled = mx.compile(lambda grads: self.opt.update(self.model, grads, clip), inputs=state, outputs=state)
-            self._update = (self.opt.attached, compiled)
+            self._update = (self.opt.attaches, compiled)
         return self._update[1]
 
     def evaluate(self, pairs: Pairs) -> dict[str, float]:

@@ -1,4 +1,4 @@
-"""Load and validate the pipeline config against workflow/schemas/config.schema.yaml, filling defaults."""
+"""Load and validate the pipeline config against the schema shipped in the package (orpo/config.schema.yaml)."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from orpo.rows import data_files
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 # Keys of config.spin that shape the DAG (how many iterations, what they start from), not the spin stage.
 SPIN_DAG_KEYS = ("iterations", "sft", "adapter")
-SCHEMA_PATH = PROJECT_ROOT / "workflow" / "schemas" / "config.schema.yaml"
+SCHEMA_PATH = Path(__file__).resolve().parent / "config.schema.yaml"  # package data: works installed, not only editable
 EMBEDDED_EVAL_PROMPTS = PROJECT_ROOT / "data" / "eval" / "ifeval_prompts.jsonl"
 
 

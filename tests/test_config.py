@@ -177,7 +177,7 @@ def test_a_moved_checkout_validates_to_the_same_config(tmp_path):
     seen = []
     for where in ("clone", "moved/clone"):
         root = tmp_path / where
-        for rel in ("orpo", "workflow/schemas", "data/eval"):
+        for rel in ("orpo", "data/eval"):
             shutil.copytree(PROJECT_ROOT / rel, root / rel, ignore=shutil.ignore_patterns("__pycache__"))
         env = {**os.environ, "PYTHONPATH": str(root)}
         out = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True,

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Any
 
-from orpo.config import PROJECT_ROOT, section_defaults
+from orpo.config import section_defaults
 
 # The schema is the single source of the defaults; prompts_file null means the project's own prompt.
 DEFAULTS: dict[str, Any] = section_defaults("judge")
-PROJECT_PROMPTS = PROJECT_ROOT / "data" / "judge" / "pairwise.jsonl"
+PROJECT_PROMPTS = Path(__file__).resolve().parent / "pairwise.jsonl"
 
 KINDS = ("mlx", "openai")
 PROMPT_SETS = ("validation", "mt_bench")

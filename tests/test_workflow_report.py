@@ -36,7 +36,8 @@ def make(workdir: Path, target: str, *variables: str, config: str = "micro.yaml"
     """`make TARGET` of the session's repository copy on a workdir, with this venv (what a researcher types)."""
     repo = _REPO_OF[Path(workdir)]
     args = f"--configfile {Path(workdir) / config} --cores 2"
-    cmd = ["make", "--no-print-directory", "-C", str(repo), target, f"VENV={sys.prefix}", f"WORKDIR={workdir}", f"SNAKEMAKE_ARGS={args}",
+    # -o setup: this venv is already set up; never reinstall it from the copy (its editable install would move there)
+    cmd = ["make", "--no-print-directory", "-o", "setup", "-C", str(repo), target, f"VENV={sys.prefix}", f"WORKDIR={workdir}", f"SNAKEMAKE_ARGS={args}",
            *variables]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(repo), os.environ.get("PYTHONPATH")]))}
     return subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env, cwd=workdir, check=False)

@@ -12,9 +12,8 @@ torch.cuda.max_memory_allocated over the timed steps ("extra": minus what was al
 The default peer is the strongest configuration found (H200, Llama-3.2-1B shape): LoRA adapters in the
 model's bf16 (peft's autocast_adapter_dtype=False; its default puts them and their inputs in float32),
 the decoder (the LlamaModel) under torch.compile, Liger's loss compiled; `liger` and `liger-ckpt` (with
-gradient checkpointing, non-reentrant) per shape. It measured 71.9k tokens/s there (bench/README.md),
-against 56.1k with the decoder eager and 37.9k with peft's default float32 adapters, eager; those stay measurable with
-`--variants` (`liger-bf16-eager`, `liger-fp32-eager`, each with a `-ckpt` twin). Each row's path
+gradient checkpointing, non-reentrant) per shape; bench/README.md has its numbers and those of the weaker
+configurations, which `--variants` runs (`liger-bf16-eager`, `liger-fp32-eager`, each with a `-ckpt` twin). Each row's path
 (adapter dtype/comp or eager decoder/liger-c or liger/ckpt) and the JSON say how the peer ran.
 
 On CUDA this is the comparison bench/README.md reports. On a CPU (no CUDA), it is a plumbing smoke test only:

@@ -1,8 +1,8 @@
 """Folder outputs: complete or absent, with a marker file that is the workflow's declared output.
 
 Why: Snakemake treats a `directory()` output that exists as done, and deletes it before rerunning its job.
-A job that died after the folder was emptied (or half rewritten) left it looking finished, and a failed
-rebuild had already deleted the previous, finished folder. So each stage writes its folder whole at a
+A job that dies after the folder was emptied (or half rewritten) would leave it looking finished, and a failed
+rebuild would already have deleted the previous, finished folder. So each stage writes its folder whole at a
 temporary sibling, puts MARKER in it last, and renames it into place; the rules declare MARKER as the
 output (Snakemake then deletes only the marker before a rerun, and the stage replaces the folder only
 when its new version is complete), and stages that read a folder check its marker.

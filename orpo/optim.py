@@ -40,7 +40,7 @@ class FlatAdamW:
     per learning-rate group; the model's weights are views into it.
 
     A LoRA model has hundreds of small matrices, and updating them one by one costs a few kernel launches each:
-    that launch cost, not arithmetic, bounded the step (bench/README.md). Flat, an update is one concatenation of
+    that launch cost, not arithmetic, bounds the update (bench/README.md). Flat, an update is one concatenation of
     the gradients, one norm and one fused kernel per group. The rule is elementwise, so each weight's arithmetic is
     the same as per-matrix AdamW's; only the clipping norm sums in a different order.
     """

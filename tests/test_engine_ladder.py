@@ -1,6 +1,6 @@
 """The oracle ladder: naive two-forward ORPO -> each engine technique alone -> all together.
 
-Rung 0 is the trainer's original path (full logits of [chosen; rejected] rows under nn.value_and_grad,
+Rung 0 is the plain path (full logits of [chosen; rejected] rows under nn.value_and_grad,
 itself checked against a numpy ORPO in test_train_loss.py). Every engine setting must give its loss
 within LOSS_TOL (relative) and every LoRA gradient within GRAD_TOL in relative norm. Float32 on the CPU:
 the rungs differ only in summation order (measured: <= 2e-6 relative on the gradients).
@@ -131,7 +131,7 @@ def test_auto_settings_are_decided_by_the_device():
     from orpo.device import on_cuda
     from orpo.train.step import input_multiple
     e = resolve_engine({})
-    assert e["prefix_sharing"] is True  # on everywhere since the exclusion attention (bench/README.md)
+    assert e["prefix_sharing"] is True  # on everywhere (bench/README.md)
     assert e["prefix_attention"] == "auto"  # decided per batch by the rows (orpo.train.rows.shared_rows)
     with pytest.raises(ValueError, match="train.engine.prefix_attention"):
         resolve_engine({"prefix_attention": "dims"})

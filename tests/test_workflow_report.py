@@ -283,7 +283,7 @@ def test_figures_are_byte_reproducible_and_tables_escape_text(tmp_path, reported
 def test_the_slurm_profile_gives_gpus_to_the_model_rules_that_exist():
     profile = yaml.safe_load((ROOT / "workflow" / "profiles" / "slurm" / "config.yaml").read_text())
     rules = {m.group(1) for f in (ROOT / "workflow" / "rules").glob("*.smk")
-             for m in re.finditer(r"^rule (\w+):", f.read_text(), re.MULTILINE)}
+             for m in re.finditer(r"^(?:rule|use rule \w+ as) (\w+)", f.read_text(), re.MULTILINE)}
     resources = profile["set-resources"]
     assert set(resources) <= rules  # a renamed rule would silently lose its GPU
     for rule in ("train", "replay", "generate_base", "generate_orpo", "spin_train", "spin_generate"):

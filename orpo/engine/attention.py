@@ -24,8 +24,8 @@ import mlx.core as mx
 EXCLUSION_DIMS = 8
 EXCLUSION_SCALE = 128.0
 # MLX 0.32's CUDA attention runs cuDNN only for head dims up to 128 (supports_sdpa_cudnn); wider falls back
-# to the unfused attention, which keeps [B, H, L, L] scores (a Mistral-7B step on real-length rows ran out
-# of the H200's memory that way).
+# to the unfused attention, which keeps [B, H, L, L] scores (enough to put a Mistral-7B step on real-length
+# rows out of an H200's memory).
 CUDNN_MAX_HEAD_DIM = 128
 
 
@@ -44,7 +44,7 @@ class ExclusionMask:
     query, 0 otherwise) and each key `keys` (-S for a chosen key, 0 otherwise): the extra dims' dot
     product is 0 except for (rejected query, chosen key), where it sends the score to -inf in effect.
     Values keep their dims, so the output is the masked attention's, under mask="causal" (cuDNN's causal
-    kernel on CUDA). Costs the wider head dim: 2.05 vs 1.54 ms per layer fwd+bwd on the H200 (bench/README.md).
+    kernel on CUDA). Costs the wider head dim (bench/README.md).
     """
 
     queries: mx.array
@@ -72,8 +72,7 @@ class SplitRows:
     split_attention). Hashable and array-free: it is part of a compiled step's key, not an input.
     Why: no mask array and no widened head dim, so each part is MLX's fused causal attention (cuDNN's forward
     and backward on CUDA at widths of 128), and the masked-out (rejected query, chosen key) area is never
-    computed. One H200 layer at the `h200-prefix` shape, fwd+bwd compiled: 1.53 ms vs 2.09-2.14 ms for the
-    ExclusionMask and 1.68-1.78 ms for two forwards (bench/README.md).
+    computed: faster than the ExclusionMask and than two forwards (bench/README.md).
     """
 
     rejected_start: int
@@ -87,7 +86,7 @@ def split_attention(sdpa: Callable[[mx.array, mx.array, mx.array], mx.array], q:
 
     Alignment: MLX 0.32's CUDA attention differentiates with cuDNN when the query length is a multiple of 128,
     and then returns wrong key/value gradients (or corrupts memory) unless the key length is one too
-    (measured on an H200: relative error 1.0 at keys 188, 192, 1344; 2e-3 at 256, 1408, 1536). So for a
+    (bench/README.md). So for a
     prompt of p = a * align + x tokens, rejected's attention also takes the prompt's last x tokens as queries
     (their outputs are dropped; the first attention gives them) and align - x zero keys and queries at the
     end (after every real token: causally invisible), which makes both lengths multiples of `align`.

@@ -1,8 +1,7 @@
 """The engine's step under `mx.compile`: each function traced once per program and input shape, kept per model.
 
 Why: outside the matmuls, a step is a long tail of small elementwise kernels (norms, RoPE, SiLU, the LoRA
-adds); compiled, MLX fuses them. Measured on an H200 (Llama-1B shape, bf16, 8192 tokens): the fused head
-with widths of 128 went 47,376 -> 72,430 tokens/s, segments of one layer 35,656 -> 45,715 (bench/README.md).
+adds); compiled, MLX fuses them, which makes the CUDA step markedly faster (bench/README.md).
 
 Every array a traced graph reads must be an input, or the trace would replay stale values: the model's own
 arrays (weights, adapter factors, any module's current dropout key, the RoPE wrappers' position arrays

@@ -236,7 +236,7 @@ def fused_logp_eager(head: LMHead, h: mx.array, targets: mx.array, chunk: int,
 
     For a caller that is not under a transform (the segmented backward): each chunk is evaluated before
     the next is built, so one [chunk, V] block is alive at a time, not the backend's run-ahead window
-    (measured on the H200, segments of one layer: step peak 9.8 -> 6.4 GB). grad_fn(g) maps a cotangent
+    (a lower step peak: bench/README.md). grad_fn(g) maps a cotangent
     on logp [M] to the one on h [M, H], recomputing each block, also chunk by chunk. Same math (the same
     compiled blocks) as fused_logp. `overlap` chunks may be in flight at once (orpo.engine.queue).
     """
@@ -252,10 +252,7 @@ def fused_logp_eager(head: LMHead, h: mx.array, targets: mx.array, chunk: int,
 
 
 # Auto chunking: about this many logits per [chunk, V] block (2^25 float32 = 128 MB), so the head's
-# peak stays the same whatever the vocabulary (a fixed token count per chunk grows with V). Measured on
-# the H200 at 8192 tokens, memory above the inputs at V 256k vs 32k: 2^26 (4 chunks at 32k, 32 at 256k)
-# 1.90x lazily, 1.40x chunk by chunk; 2^25 (8 chunks at 32k) 0.95x and 0.99x. Our reading (not measured
-# apart): the lazy path holds the chunks in flight together, so too few chunks at 32k flatter it.
+# peak stays the same whatever the vocabulary (a fixed token count per chunk grows with V; bench/README.md).
 AUTO_BLOCK_LOGITS = 2**25
 
 

@@ -2,8 +2,7 @@
 
 `mx.eval` after each segment (or head chunk) bounds memory to one segment's working set but leaves the
 GPU idle while the next segment's kernels are encoded; `mx.async_eval` lets the encoding overlap the
-running segment, at the cost of the next segment's buffers being allocated while it runs. Measured on an
-H200 (segments of one layer, compiled, Llama-1B shape): depth 1 gave 1.26x tokens/s for +2.4 GB peak.
+running segment, at the cost of the next segment's buffers being allocated while it runs (bench/README.md).
 """
 
 from __future__ import annotations
@@ -56,9 +55,6 @@ def memory_limit(gb: float) -> Iterator[None]:
 
     Past the limit, MLX's evaluation waits for queued work to finish (and free its buffers) before it
     encodes more: with `EvalQueue` depth > 0 the queue then runs ahead only while memory allows.
-    Measured on the 2-core CPU (cpu-small, all-lean compiled): depth 4 alone 1.14 s/step at 0.118 GB
-    above the weights, with the limit 0.08 GB above them 1.15 s at 0.085 GB; waiting for each segment
-    1.30 s at 0.118 GB.
     """
     if gb <= 0:
         yield

@@ -49,7 +49,7 @@ class LoRALinear(nn.Module):
             x = keyed_dropout(x, self.p, self._dropout_key)
         # Float32 master weights, computed in the activation dtype (as mixed-precision autocast does): a
         # float32 LoRA path on a bf16 model would upcast x and z for every projection and keep those copies
-        # for the backward (measured on an H200: most of the activation memory and much of the step time).
+        # for the backward: most of the activation memory and much of the step time (bench/README.md).
         # y + scale * (x A) B as one matmul with y as its addend: no [tokens, out] copies of (x A) B and of
         # its scaled form, in the forward or the backward (CPU, one MLP's backward: 2 of ~15 such tensors).
         dt = x.dtype

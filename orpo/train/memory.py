@@ -19,7 +19,7 @@ import mlx.core as mx
 
 GB = 1e9
 # The share of the device's memory that active plus cached buffers may take: CUDA's stream-ordered pool
-# keeps freed memory reserved, and an H200 run with the cache allowed up to MLX's own limit (95%) failed.
+# keeps freed memory reserved, so a cache allowed up to MLX's own limit (95%) leaves allocations failing.
 HEADROOM = 0.85
 
 

@@ -61,20 +61,16 @@ def resolve_engine(engine: dict[str, Any] | None) -> dict[str, Any]:
     if e["compile"] not in ("auto", True, False):
         raise ValueError(f"train.engine.compile: {e['compile']!r} is not one of auto, true, false")
     if e["compile"] == "auto":
-        # Measured on an H200: 1.43-1.51x tokens/s for the fused head at widths of 128 (bench/README.md). On the
-        # CPU each new shape's first call also pays a trace and a C++ build of its kernels: off there.
+        # Faster on CUDA (bench/README.md); on the CPU each new shape's first call pays a trace and a C++ build.
         e["compile"] = on_cuda()
     if e["prefix_sharing"] == "auto":
-        # On everywhere. H200, fused head, widths of 128, compiled: 1.03x tokens/s at 0.86x peak with prompt =
-        # response, 1.27x at 0.82x with prompt = 2x response (1.25x with prompts of their own lengths; naive
-        # head uncompiled 1.41-1.46x); CPU 1.7-1.9x (bench/README.md).
+        # On everywhere: faster and smaller on the CPU and on CUDA, most with long prompts (bench/README.md).
         e["prefix_sharing"] = True
     return e
 
 
 # MLX's CUDA attention runs its cuDNN backward only for query lengths that are a multiple of 128; other
-# lengths differentiate the unfused fallback ([B, H, L, L] scores kept). Measured on an H200 at a Llama-1B
-# layer (B 8, L 1024, bf16): causal fwd+bwd 1.03 ms at L 1024 against 7.54 ms at L 1023.
+# lengths differentiate the unfused fallback ([B, H, L, L] scores kept), several times slower (bench/README.md).
 CUDA_ATTENTION_MULTIPLE = 128
 
 
@@ -86,12 +82,12 @@ def input_multiple(engine: dict[str, Any]) -> int | None:
     return m
 
 
-# The trainer's original path: naive head, plain backward, no sharing (the oracle).
+# The plain path: naive head, plain backward, no sharing (the oracle).
 PLAIN: dict[str, Any] = {"head": "naive", "segment_layers": 0, "prefix_sharing": False}
 
 
 def is_plain(engine: dict[str, Any]) -> bool:
-    """Whether the settings ask for the trainer's original path (PLAIN)."""
+    """Whether the settings ask for the plain path (PLAIN)."""
     return all(engine[k] == v for k, v in PLAIN.items())
 
 

@@ -182,7 +182,7 @@ UNIFORM_SHARE = 0.98
 
 
 def _compiles(sess: Session) -> bool:
-    """Whether the engine's step runs under mx.compile (the trainer's original path never does)."""
+    """Whether the engine's step runs under mx.compile (the plain path never does)."""
     return bool(sess.engine["compile"]) and not is_plain(sess.engine)
 
 

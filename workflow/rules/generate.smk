@@ -42,6 +42,7 @@ rule generate_orpo:
         limit=lambda wc: L.prompt_set(L.name(wc.exp), wc.set)[1],
         checkpoint=per_exp(lambda n: L.config(n)["generate"]["adapter"]),
         run=lambda wildcards, input: folder(input.run),
+        label="orpo",
         code=CODE["generate"],
     threads: workflow.cores
     log:
@@ -50,5 +51,5 @@ rule generate_orpo:
         "benchmarks/{exp}generate_orpo_{set}.tsv"
     shell:
         "orpo generate --model {params.model} --adapter {params.run} --checkpoint {params.checkpoint} "
-        "--prompts {input.prompts} --label orpo --limit {params.limit} "
+        "--prompts {input.prompts} --label {params.label} --limit {params.limit} "
         "--render-settings {params.render:q} --out {output} --settings {params.settings:q} > {log} 2>&1"

@@ -2,20 +2,21 @@ rule ifeval:
     input:
         prompts=per_exp(lambda n: L.config(n)["eval"]["prompts"]),
         base=per_exp(lambda n: L.base_generations(n, "ifeval")),
-        orpo="results/{exp}generations/ifeval/orpo.jsonl",
+        tuned="results/{exp}generations/ifeval/orpo.jsonl",
     output:
         summary="results/{exp}ifeval.json",
         details=marker("results/{exp}ifeval"),
     params:
         details=lambda wildcards, output: folder(output.details),
         limit=per_exp(lambda n: L.config(n)["eval"]["limit"]),
+        label="orpo",
         code=CODE["ifeval"],
     log:
         "logs/{exp}ifeval.log",
     benchmark:
         "benchmarks/{exp}ifeval.tsv"
     shell:
-        "orpo ifeval compare --inputs {input.prompts} --generations base={input.base} orpo={input.orpo} "
+        "orpo ifeval compare --inputs {input.prompts} --generations base={input.base} {params.label}={input.tuned} "
         "--limit {params.limit} --out {output.summary} --details {params.details} > {log} 2>&1"
 
 

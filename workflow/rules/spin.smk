@@ -36,51 +36,38 @@ rule spin_pairs:
         "--iteration {wildcards.k} --out {params.out} --settings {params.settings:q} > {log} 2>&1"
 
 
-rule spin_render:
+# Each iteration's render, train, generate and IFEval are the stage rules on the iteration's folders.
+use rule render as spin_render with:
     input:
-        pairs=marker("results/{exp}spin/iter{k}/pairs"),
+        curated=marker("results/{exp}spin/iter{k}/pairs"),
         model=per_exp(L.model_input),
     output:
         marker("results/{exp}spin/iter{k}/rendered"),
     params:
-        pairs=lambda wildcards, input: folder(input.pairs),
-        out=lambda wildcards, output: folder(output[0]),
         model=per_exp(L.model_ref),
         settings=per_exp(lambda n: section(n, "render")),
-        code=CODE["render"],
     log:
         "logs/{exp}spin_render_iter{k}.log",
     benchmark:
         "benchmarks/{exp}spin_render_iter{k}.tsv"
-    shell:
-        "orpo render --model {params.model} --curated {params.pairs} --out {params.out} "
-        "--settings {params.settings:q} > {log} 2>&1 && " + CONSOLE_NOTES
 
 
-rule spin_train:
+use rule train as spin_train with:
     input:
         rendered=marker("results/{exp}spin/iter{k}/rendered"),
         model=per_exp(L.model_input),
-        previous=spin_adapter,
+        init_adapter=spin_adapter,
     output:
         marker("results/{exp}spin/iter{k}/run"),
     params:
-        rendered=lambda wildcards, input: folder(input.rendered),
-        out=lambda wildcards, output: folder(output[0]),
-        model=per_exp(L.model_ref),
         settings=spin_train_settings,
-        code=CODE["train"],
-    threads: workflow.cores
     log:
         "logs/{exp}spin_train_iter{k}.log",
     benchmark:
         "benchmarks/{exp}spin_train_iter{k}.tsv"
-    shell:
-        "orpo train --model {params.model} --rendered {params.rendered} --out {params.out} "
-        "--settings {params.settings:q} > {log} 2>&1"
 
 
-rule spin_generate:
+use rule generate_orpo as spin_generate with:
     input:
         model=per_exp(L.model_input),
         prompts=per_exp(lambda n: L.config(n)["eval"]["prompts"]),
@@ -88,38 +75,26 @@ rule spin_generate:
     output:
         "results/{exp}spin/iter{k}/generations.jsonl",
     params:
-        run=lambda wildcards, input: folder(input.run),
-        model=per_exp(L.model_ref),
-        settings=per_exp(lambda n: section(n, "generate")),
-        render=per_exp(rendering),
         limit=per_exp(lambda n: L.config(n)["eval"]["limit"]),
-        code=CODE["generate"],
-    threads: workflow.cores
+        checkpoint="final",
+        label=lambda wildcards: f"spin{wildcards.k}",
     log:
         "logs/{exp}spin_generate_iter{k}.log",
     benchmark:
         "benchmarks/{exp}spin_generate_iter{k}.tsv"
-    shell:
-        "orpo generate --model {params.model} --adapter {params.run} --prompts {input.prompts} --label spin{wildcards.k} "
-        "--limit {params.limit} --render-settings {params.render:q} --out {output} --settings {params.settings:q} > {log} 2>&1"
 
 
-rule spin_ifeval:
+use rule ifeval as spin_ifeval with:
     input:
         prompts=per_exp(lambda n: L.config(n)["eval"]["prompts"]),
         base=per_exp(lambda n: L.base_generations(n, "ifeval")),
-        spin="results/{exp}spin/iter{k}/generations.jsonl",
+        tuned="results/{exp}spin/iter{k}/generations.jsonl",
     output:
         summary="results/{exp}spin/iter{k}/ifeval.json",
         details=marker("results/{exp}spin/iter{k}/ifeval"),
     params:
-        details=lambda wildcards, output: folder(output.details),
-        limit=per_exp(lambda n: L.config(n)["eval"]["limit"]),
-        code=CODE["ifeval"],
+        label=lambda wildcards: f"spin{wildcards.k}",
     log:
         "logs/{exp}spin_ifeval_iter{k}.log",
     benchmark:
         "benchmarks/{exp}spin_ifeval_iter{k}.tsv"
-    shell:
-        "orpo ifeval compare --inputs {input.prompts} --generations base={input.base} spin{wildcards.k}={input.spin} "
-        "--limit {params.limit} --out {output.summary} --details {params.details} > {log} 2>&1"

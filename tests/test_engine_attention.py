@@ -9,11 +9,10 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from conftest import MATMUL_TOL
-from mlx_lm.models import gemma2, llama
 from test_engine_stack import prompt_groups
 
 from orpo.device import on_cuda
-from orpo.engine.attention import packed_masks_in
+from orpo.engine.attention import attend
 
 TOL = 10 * MATMUL_TOL  # float32 outputs/gradients of O(1), absolute (1e-5 on the CPU)
 SCALE = 0.4
@@ -55,19 +54,15 @@ def grads(fn, q, k, v, cot) -> list[np.ndarray]:
     return [np.array(x.astype(mx.float32)) for x in g]
 
 
-def test_swap_is_scoped_and_restored():
-    original = llama.scaled_dot_product_attention
-    with packed_masks_in(["mlx_lm.models.llama", "mlx_lm.models.gemma2"]):
-        assert llama.scaled_dot_product_attention is not original
-        assert not hasattr(gemma2, "scaled_dot_product_attention")  # its own softcapped attention, left alone
-        q, k, v = qkv(1, 2, 1, 7, 4, seed=15)
-        got = llama.scaled_dot_product_attention(q, k, v, cache=None, scale=SCALE, mask="causal")
-        want = mx.fast.scaled_dot_product_attention(q, k, v, scale=SCALE, mask="causal")
-        np.testing.assert_array_equal(np.array(got), np.array(want))  # other masks go to the original
-    assert llama.scaled_dot_product_attention is original
-    with pytest.raises(RuntimeError, match="boom"), packed_masks_in(["mlx_lm.models.llama"]):
-        raise RuntimeError("boom")
-    assert llama.scaled_dot_product_attention is original
+def test_other_masks_go_to_mx_fast_attention_as_they_are():
+    """"causal", None and an array mask: exactly mx.fast's attention (what mlx-lm's layers call without a cache)."""
+    q, k, v = qkv(2, 4, 2, 9, 8, seed=15)
+    keep = mx.array(np.random.default_rng(16).random((2, 1, 9, 9)) < 0.7) | mx.eye(9, dtype=mx.bool_)
+    for mask in ("causal", None, keep, mx.where(keep, 0.0, -mx.inf)):
+        want = mx.fast.scaled_dot_product_attention(q, k, v, scale=SCALE, mask=mask)
+        np.testing.assert_array_equal(np.array(attend(q, k, v, SCALE, mask)), np.array(want))
+    np.testing.assert_allclose(np.array(attend(q, k, v, SCALE, keep)), numpy_attention(q, k, v, SCALE, keep),
+                               atol=TOL, rtol=0)
 
 
 def exclusion_case(b: int, length: int, seed: int) -> tuple[mx.array, mx.array, np.ndarray]:
@@ -81,20 +76,11 @@ def exclusion_case(b: int, length: int, seed: int) -> tuple[mx.array, mx.array, 
     return mx.array(flagged), mx.array(excluded), keep[:, None]
 
 
-def packed_sdpa():
-    """mlx-lm's sdpa as the engine's swap wraps it for packed rows (ExclusionMask, SplitRows)."""
-    from orpo.engine.attention import _packed_sdpa
-
-    return _packed_sdpa(lambda q, k, v, cache, scale, mask, sinks: mx.fast.scaled_dot_product_attention(
-        q, k, v, scale=scale, mask=mask))
-
-
 def exclusion_attention(q, k, v, flagged, excluded):
-    """mlx-lm's sdpa as the engine's swap runs it with an ExclusionMask."""
+    """The engine's attention with an ExclusionMask."""
     from orpo.engine.attention import exclusion_mask
 
-    sdpa = packed_sdpa()
-    return sdpa(q, k, v, None, SCALE, exclusion_mask(flagged, excluded, q.dtype))
+    return attend(q, k, v, SCALE, exclusion_mask(flagged, excluded, q.dtype))
 
 
 @pytest.mark.parametrize("geometry", ["gqa", "mha"])
@@ -151,15 +137,14 @@ def test_split_rows_equal_the_block_mask(geometry, prompts, align):
     start = length // 2 + 1
     split, keep = split_case(prompts, start, length, align)
     q, k, v = qkv(len(prompts), h, kvh, length, 8, seed=26)
-    sdpa = packed_sdpa()
-    attend = lambda q, k, v: sdpa(q, k, v, None, SCALE, split)
-    got = attend(q, k, v)
+    split_attend = lambda q, k, v: attend(q, k, v, SCALE, split)  # noqa: E731
+    got = split_attend(q, k, v)
     assert got.shape == q.shape
     np.testing.assert_allclose(np.array(got), numpy_attention(q, k, v, SCALE, mx.array(keep)), atol=TOL, rtol=0)
     cot = mx.array(np.random.default_rng(27).normal(size=q.shape).astype(np.float32))
     want = grads(lambda q, k, v: mx.fast.scaled_dot_product_attention(q, k, v, scale=SCALE, mask=mx.array(keep)),
                  q, k, v, cot)
-    for name, g, w in zip("qkv", grads(attend, q, k, v, cot), want):
+    for name, g, w in zip("qkv", grads(split_attend, q, k, v, cot), want):
         assert np.abs(w).max() > 0.1, name
         np.testing.assert_allclose(g, w, atol=TOL, rtol=0, err_msg=name)
     # Control: the plain causal attention over the same rows differs (rejected would see chosen).
@@ -172,7 +157,7 @@ def test_split_rows_in_half_precision(dtype):
     prompts, length = [9, 9, 20], 48
     split, keep = split_case(prompts, 32, length)
     q, k, v = qkv(3, 4, 2, length, 16, seed=28, dtype=dtype)
-    got = np.array(packed_sdpa()(q, k, v, None, SCALE, split).astype(mx.float32))
+    got = np.array(attend(q, k, v, SCALE, split).astype(mx.float32))
     want = numpy_attention(q, k, v, SCALE, mx.array(keep))
     np.testing.assert_allclose(got, want, atol=3e-2, rtol=0)  # the same bound as the exclusion's
     assert np.abs(numpy_attention(q, k, v, SCALE, "causal") - want).max() > 0.1
@@ -182,17 +167,13 @@ def test_split_rows_in_half_precision(dtype):
 def test_split_rows_through_cudnn_equal_float32_attention():
     """On CUDA, bf16 at widths of 128 (cuDNN's forward and backward), prompts of their own lengths (no multiple
     of 128: the aligned second attention) equal float32 attention under the block mask, gradients included."""
-    from orpo.engine.attention import _packed_sdpa
-
     prompts, start, length = [300, 300, 517, 0], 768, 1024
     split, keep = split_case(prompts, start, length, 128)
     q, k, v = qkv(len(prompts), 8, 2, length, 64, seed=29)
     cot = mx.array(np.random.default_rng(30).normal(size=q.shape).astype(np.float32))
-    fast = _packed_sdpa(lambda q, k, v, cache, scale, mask, sinks: mx.fast.scaled_dot_product_attention(
-        q, k, v, scale=scale, mask=mask))
     bf16 = [x.astype(mx.bfloat16) for x in (q, k, v)]
-    got = grads(lambda q, k, v: fast(q, k, v, None, SCALE, split).astype(mx.float32), *bf16, cot)
-    out = np.array(fast(*bf16, None, SCALE, split).astype(mx.float32))
+    got = grads(lambda q, k, v: attend(q, k, v, SCALE, split).astype(mx.float32), *bf16, cot)
+    out = np.array(attend(*bf16, SCALE, split).astype(mx.float32))
     # The float32 oracle on the CPU: on the H200, float32 runs at small test shapes stopped with
     # "cudaGraphAddKernelNode: invalid argument" (every packed attention kind, the additive mask's too; cause not found).
     with mx.stream(mx.cpu):

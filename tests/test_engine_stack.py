@@ -11,7 +11,8 @@ from test_train_models import COMMON, FAMILIES
 
 from conftest import MATMUL_TOL
 from orpo.engine.head import head_logits, lm_head_of
-from orpo.engine.stack import Layout, PositionedRope, Stack, UnsupportedModel
+from orpo.engine.forward import UnsupportedModel, rope_at
+from orpo.engine.stack import Layout, Stack
 from orpo.train.data import Pairs
 from orpo.train.rows import plain_rows, shared_rows
 
@@ -155,8 +156,7 @@ def test_shared_rows_layout_and_its_attentions(multiple, attention):
     default = SplitRows if attention == "split" else ExclusionMask
     assert all(isinstance(mask, default) for mask in stack.masks(lay, h0))
     additive = mx.where(lay.visible(), mx.array(0.0), mx.array(-mx.inf))[:, None]
-    with stack.positions(lay):
-        by_mask = stack.norm(stack.run(h0, [additive] * len(stack.layers), 0, len(stack.layers)))
+    by_mask = stack.norm(stack.run(h0, [additive] * len(stack.layers), 0, len(stack.layers), lay.positions))
     want = np.array(by_mask.reshape(-1, by_mask.shape[-1])[packed.index])
     layouts = [lay]
     if attention == "split":  # the same aligned rows without their SplitRows: attended with the exclusion dims
@@ -202,7 +202,7 @@ ROPES = {
 
 
 @pytest.mark.parametrize("kind", list(ROPES))
-def test_positioned_rope_equals_the_rope_at_each_tokens_position(kind):
+def test_rope_at_equals_the_rope_at_each_tokens_position(kind):
     """Oracle: the module's own rope called on each token alone at its own offset (an int)."""
     from mlx_lm.models.rope_utils import initialize_rope
     spec = ROPES[kind]
@@ -210,7 +210,7 @@ def test_positioned_rope_equals_the_rope_at_each_tokens_position(kind):
     rope = initialize_rope(spec.get("dims", d), 10000.0, spec.get("traditional", False), spec.get("scaling"), 128)
     x = mx.random.normal((b, length, h, d), key=mx.random.key(3)).transpose(0, 2, 1, 3)  # as mlx-lm passes it
     positions = mx.array([[0, 1, 2, 3, 4, 5, 6], [0, 1, 2, 1, 2, 3, 4]], mx.int32)  # row 1 restarts at 1
-    got = PositionedRope(rope, positions)(x)
+    got = rope_at(rope, x, positions.reshape(-1))
     want = mx.stack([mx.concatenate([rope(x[r : r + 1, :, t : t + 1], offset=int(positions[r, t]))
                                      for t in range(length)], axis=2)[0] for r in range(b)])
     np.testing.assert_allclose(np.array(got), np.array(want), atol=1e-6, rtol=0)

@@ -1,17 +1,15 @@
-"""How prefix-sharing rows attend through mlx-lm's own attention: split attention or exclusion dims.
+"""How prefix-sharing rows attend: split attention or exclusion dims, through mx.fast's attention.
 
 Shared rows hold a pair's prompt, chosen and rejected; rejected's queries must not see chosen's keys. Two
 ways keep MLX's fused causal attention (cuDNN's forward and backward on CUDA) instead of a mask array:
 SplitRows runs aligned rows as two causal attentions, ExclusionMask hides chosen's keys from rejected's
-queries with extra head dims. mlx-lm's module-level `scaled_dot_product_attention` is wrapped while a
-forward runs (`packed_masks_in`) to take these masks; anything else goes to the original.
+queries with extra head dims. `attend` is the attention the engine's forward (orpo.engine.forward) calls:
+it does these masks and hands any other to mx.fast's attention.
 """
 
 from __future__ import annotations
 
-import importlib
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -114,45 +112,19 @@ def split_attention(sdpa: Callable[[mx.array, mx.array, mx.array], mx.array], q:
     return mx.concatenate([sdpa(q_a, k[:, :, :s], v[:, :, :s]), out_b], axis=2)
 
 
-def _packed_sdpa(original: Callable) -> Callable:
-    """mlx-lm's `scaled_dot_product_attention`, doing an ExclusionMask or SplitRows (anything else: `original`)."""
+def attend(queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: Any) -> mx.array:
+    """Scaled dot-product attention of q [B, H, L, D], k/v [B, kv heads, L, D] under any mask the engine builds.
 
-    def sdpa(queries: mx.array, keys: mx.array, values: mx.array, cache: Any, scale: float, mask: Any,
-             sinks: mx.array | None = None) -> mx.array:
-        if isinstance(mask, SplitRows):
-            causal = lambda q, k, v: original(q, k, v, cache=cache, scale=scale, mask="causal", sinks=sinks)
-            return split_attention(causal, queries, keys, values, mask)
-        if not isinstance(mask, ExclusionMask):
-            return original(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
-        b, h, length, _ = queries.shape
-        q = mx.concatenate([queries, mx.broadcast_to(mask.queries, (b, h, length, EXCLUSION_DIMS))], axis=-1)
-        k = mx.concatenate([keys, mx.broadcast_to(mask.keys, (b, keys.shape[1], length, EXCLUSION_DIMS))], axis=-1)
-        return original(q, k, values, cache=cache, scale=scale, mask="causal", sinks=sinks)
-
-    return sdpa
-
-
-@contextmanager
-def sdpa_swapped_in(module_names: list[str], wrap: Callable[[Callable], Callable]) -> Iterator[None]:
-    """While inside, these mlx-lm model modules call wrap(their scaled_dot_product_attention); always restored.
-
-    A module without a module-level `scaled_dot_product_attention` (gemma2: its own softcapped attention) is
-    left alone. Process-global while active: not for models run concurrently in other threads.
+    SplitRows and ExclusionMask run as causal attentions (above); anything else ("causal", None, an array)
+    goes to mx.fast's attention as it is, the call mlx-lm's layers make without a cache.
     """
-    swapped = []
-    try:
-        for name in dict.fromkeys(module_names):
-            module = importlib.import_module(name)
-            original = getattr(module, "scaled_dot_product_attention", None)
-            if original is not None:
-                module.scaled_dot_product_attention = wrap(original)
-                swapped.append((module, original))
-        yield
-    finally:
-        for module, original in reversed(swapped):
-            module.scaled_dot_product_attention = original
-
-
-def packed_masks_in(module_names: list[str]) -> Any:
-    """While inside, these mlx-lm model modules do an ExclusionMask or SplitRows mask; always restored."""
-    return sdpa_swapped_in(module_names, _packed_sdpa)
+    sdpa = mx.fast.scaled_dot_product_attention
+    if isinstance(mask, SplitRows):
+        causal = lambda q, k, v: sdpa(q, k, v, scale=scale, mask="causal")  # noqa: E731
+        return split_attention(causal, queries, keys, values, mask)
+    if not isinstance(mask, ExclusionMask):
+        return sdpa(queries, keys, values, scale=scale, mask=mask)
+    b, h, length, _ = queries.shape
+    q = mx.concatenate([queries, mx.broadcast_to(mask.queries, (b, h, length, EXCLUSION_DIMS))], axis=-1)
+    k = mx.concatenate([keys, mx.broadcast_to(mask.keys, (b, keys.shape[1], length, EXCLUSION_DIMS))], axis=-1)
+    return sdpa(q, k, values, scale=scale, mask="causal")

@@ -4,9 +4,9 @@ Why: outside the matmuls, a step is a long tail of small elementwise kernels (no
 adds); compiled, MLX fuses them, which makes the CUDA step markedly faster (bench/README.md).
 
 Every array a traced graph reads must be an input, or the trace would replay stale values: the model's own
-arrays (weights, adapter factors, any module's current dropout key, the RoPE wrappers' position arrays
-while `Stack.positions` is active) are read through `inputs=<module>.state` at each call; the layout's
-arrays and the masks are arguments. What is Python-side (the caller's settings and constants, the
+arrays (weights, adapter factors, any module's current dropout key) are read through
+`inputs=<module>.state` at each call; the layout's arrays (its RoPE positions included) and the masks are
+arguments. What is Python-side (the caller's settings and constants, the
 layout's structure: which of its fields are set, its SplitRows, each layer's kind of mask) is part of the key
 under which a compiled function is kept, so a trace is only reused for the same program.
 """

@@ -41,26 +41,27 @@ def _layer_params(stack: Stack, model: nn.Module) -> list[tuple[str, list[tuple[
     return per_layer
 
 
-def _segment_forward(stack: Stack, a: int, b: int) -> Callable[[mx.array, list[Any]], mx.array]:
-    """h -> layers a..b-1 of h under the given masks (call inside `stack.positions`)."""
-    return lambda h, masks: stack.run(h, masks, a, b)
+def _segment_forward(stack: Stack, a: int, b: int) -> Callable[[mx.array, list[Any], mx.array | None], mx.array]:
+    """(h, masks, positions) -> layers a..b-1 of h under the given masks, RoPE at the layout's positions."""
+    return lambda h, masks, positions: stack.run(h, masks, a, b, positions)
 
 
 def _segment_vjp(stack: Stack, a: int, b: int, mlp_chunks: int = 1
-                 ) -> Callable[[mx.array, mx.array, list[Any]], list[mx.array]]:
-    """(h_in, cotangent of the output, masks) -> [cotangent of h_in, grads of each trainable array of layers a..b-1].
+                 ) -> Callable[[mx.array, mx.array, list[Any], mx.array | None], list[mx.array]]:
+    """(h_in, cotangent of the output, masks, positions) -> [cotangent of h_in, grads of each trainable array of
+    layers a..b-1].
 
     The grads come in the order of tree_flatten(layer.trainable_parameters()), layer by layer. With
     mlp_chunks > 1 each layer's MLP is differentiated in that many token chunks (orpo.engine.tiled).
     """
     layers = stack.layers[a:b]
 
-    def vjp(h_in: mx.array, cot: mx.array, masks: list[Any]) -> list[mx.array]:
+    def vjp(h_in: mx.array, cot: mx.array, masks: list[Any], positions: mx.array | None) -> list[mx.array]:
         arrays = [v for layer in layers for _, v in tree_flatten(layer.trainable_parameters())]
 
         def segment(h0: mx.array, *params: mx.array) -> list[mx.array]:
-            with trainables_replaced(layers, params), tiled_mlps(layers, mlp_chunks):
-                return [stack.run(h0, masks, a, b)]
+            with trainables_replaced(layers, params):
+                return [stack.run(h0, masks, a, b, positions, tiled_mlps(layers, mlp_chunks))]
 
         _, vjps = mx.vjp(segment, [h_in, *arrays], [cot])
         return vjps
@@ -71,28 +72,28 @@ def _segment_vjp(stack: Stack, a: int, b: int, mlp_chunks: int = 1
 def _compiled_segment(stack: Stack, layout: Layout, a: int, b: int, what: str, mlp_chunks: int = 1) -> Callable:
     """`_segment_forward` or `_segment_vjp` of layers a..b-1 under mx.compile, kept per model and program.
 
-    The layers' own arrays (dropout keys and, inside `stack.positions`, the RoPE wrappers' positions
-    included) are the compiled function's implicit inputs; masks travel as arrays (orpo.engine.compiled).
+    The layers' own arrays (dropout keys included) are the compiled function's implicit inputs; masks and
+    positions travel as arrays (orpo.engine.compiled).
     """
     states = [layer.state for layer in stack.layers[a:b]]
 
     def call(*args: Any) -> Any:
-        *lead, masks = args
+        *lead, masks, positions = args
         spec, arrays = mask_arrays(masks[a:b])
         key = ("segment", what, a, b, spec, layout_arrays(layout)[0], mlp_chunks)
 
         def build() -> Callable:
             inner = _segment_forward(stack, a, b) if what == "forward" else _segment_vjp(stack, a, b, mlp_chunks)
 
-            def traced(*xs: mx.array) -> Any:
-                *lead_t, mask_t = xs
-                return inner(*lead_t, [None] * a + masks_from(spec, mask_t))
+            def traced(*xs: Any) -> Any:
+                *lead_t, mask_t, positions_t = xs
+                return inner(*lead_t, [None] * a + masks_from(spec, mask_t), positions_t[0] if positions_t else None)
 
             if what == "forward":
                 return mx.compile(traced, inputs=states)
             return mx.compile(traced, inputs=states, outputs=states)
 
-        return kept(stack.model, key, build)(*lead, arrays)
+        return kept(stack.model, key, build)(*lead, arrays, [] if positions is None else [positions])
 
     return call
 
@@ -127,29 +128,29 @@ def segmented_value_and_grad(model: nn.Module, stack: Stack, layout: Layout, hea
 
     h = mx.stop_gradient(stack.embed(layout.tokens))
     masks = stack.masks(layout, h)
+    positions = layout.positions
     grads: dict[str, mx.array] = {}
     queue = EvalQueue(overlap)
-    with stack.positions(layout):
-        boundary = [h]
+    boundary = [h]
+    queue.push(h)
+    for a, b in segments:
+        h = forward(a, b)(boundary[-1], masks, positions)
         queue.push(h)
-        for a, b in segments:
-            h = forward(a, b)(boundary[-1], masks)
-            queue.push(h)
-            boundary.append(h)
-        queue.drain()
+        boundary.append(h)
+    queue.drain()
 
-        (loss, metrics), cot = (head_value_and_grad or mx.value_and_grad(head_loss))(boundary.pop())
-        mx.eval(loss, metrics, cot)
+    (loss, metrics), cot = (head_value_and_grad or mx.value_and_grad(head_loss))(boundary.pop())
+    mx.eval(loss, metrics, cot)
 
-        for a, b in reversed(segments):
-            h_in = boundary.pop()
-            if b <= lowest:
-                break
-            cot, *param_grads = backward(a, b)(h_in, cot, masks)
-            it = iter(param_grads)
-            for prefix, items in per_layer[a:b]:
-                for k, _ in items:
-                    grads[f"{prefix}.{k}"] = next(it)
-            queue.push(cot, param_grads)
-        queue.drain()
+    for a, b in reversed(segments):
+        h_in = boundary.pop()
+        if b <= lowest:
+            break
+        cot, *param_grads = backward(a, b)(h_in, cot, masks, positions)
+        it = iter(param_grads)
+        for prefix, items in per_layer[a:b]:
+            for k, _ in items:
+                grads[f"{prefix}.{k}"] = next(it)
+        queue.push(cot, param_grads)
+    queue.drain()
     return (loss, metrics), tree_map_with_path(lambda path, _: grads[path], model.trainable_parameters())

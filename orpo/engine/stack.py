@@ -1,17 +1,18 @@
 """Our own forward through an mlx-lm model's parts, so we choose the attention mask and the RoPE positions.
 
-embedding (gemma's sqrt(H) scale included) -> decoder layers, each called with an explicit mask -> final
-norm. On a plain layout (ordinary causal rows) every layer gets the very mask object the model would build
-itself, so the hidden states are bit-identical to `model.model(tokens)`. A packed layout (prefix sharing)
-carries per-token logical positions and the keys rejected's tokens may not see; its full-attention layers
-attend as two causal attentions (SplitRows, the default) or one causal attention with exclusion dims
-(ExclusionMask); sliding windows and gemma2's own attention take a block mask. Sliding windows are
-applied on the logical positions, and RoPE sees them through a wrapper around each attention's own rope (below).
+embedding (gemma's sqrt(H) scale included) -> decoder layers, each run by orpo.engine.forward with an
+explicit mask and positions -> final norm. On a plain layout (ordinary causal rows) every layer gets the
+very mask the model would build itself, so the hidden states are bit-identical to `model.model(tokens)`.
+A packed layout (prefix sharing) carries per-token logical positions and the keys rejected's tokens may
+not see; its full-attention layers attend as two causal attentions (SplitRows, the default) or one causal
+attention with exclusion dims (ExclusionMask); sliding windows and gemma2's own attention take a block
+mask. Sliding windows are applied on the logical positions, and RoPE is taken at them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+import threading
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -21,20 +22,14 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.models.base import create_attention_mask
 
-from orpo.engine.attention import SplitRows, exclusion_mask, packed_masks_in
-
-# mlx-lm module name -> family ("mistral" is served by mlx_lm.models.llama).
-SUPPORTED = ("llama", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text")
+from orpo.engine.attention import SplitRows, exclusion_mask
+from orpo.engine.forward import FAMILIES, check_mlx_lm, check_parts, family_of, run_layers
 
 
 def head_dim_of(model: nn.Module) -> int:
     """The attention head dim of an mlx-lm model (its config's, or hidden size / heads)."""
     args = model.args
     return int(getattr(args, "head_dim", None) or args.hidden_size // args.num_attention_heads)
-
-
-class UnsupportedModel(ValueError):
-    """The model's family has no stack description here."""
 
 
 @dataclass
@@ -64,36 +59,9 @@ class Layout:
         return causal & ~(self.restricted[:, :, None] & self.hidden_keys[:, None, :])
 
 
-class PositionedRope(nn.Module):
-    """A module's own RoPE applied at each token's own position (any rope variant keeps its frequencies).
-
-    mx.fast.rope takes one offset per leading row, not one per token; a packed row's positions restart for
-    rejected. So the [B, heads, L, D] input is viewed as B*L rows of one token each (a free reshape of the
-    [B, L, heads, D] projection it is a transpose of) and rotated with offsets = the flattened positions:
-    one rope pass, exactly the module's own at every position.
-    """
-
-    def __init__(self, rope: nn.Module, positions: mx.array):
-        super().__init__()
-        self.inner = rope
-        self._positions = positions.reshape(-1)
-
-    def __call__(self, x: mx.array, offset: int = 0) -> mx.array:
-        if not isinstance(offset, int) or offset != 0:
-            raise ValueError("PositionedRope is for cache-free forwards (offset 0)")
-        b, h, length, d = x.shape
-        rows = x.transpose(0, 2, 1, 3).reshape(b * length, h, 1, d)
-        return self.inner(rows, offset=self._positions).reshape(b, length, h, d).transpose(0, 2, 1, 3)
-
-
-def family_of(model: nn.Module) -> str:
-    """The supported family an mlx-lm model belongs to (by the module its class comes from)."""
-    family = type(model).__module__.rsplit(".", 1)[-1]
-    if family not in SUPPORTED or not hasattr(model, "model"):
-        kind = getattr(getattr(model, "args", None), "model_type", type(model).__name__)
-        raise UnsupportedModel(f"train.engine: model type {kind!r} has no stack description "
-                               f"(supported: {', '.join(SUPPORTED)}, mistral); use the plain engine")
-    return family
+# Held while arrays are substituted into modules: two threads interleaving on shared modules would restore
+# each other's traced arrays as the originals.
+_SUBSTITUTING = threading.RLock()
 
 
 @contextmanager
@@ -101,26 +69,32 @@ def trainables_replaced(modules: Sequence[nn.Module], arrays: Sequence[mx.array]
     """While inside, the modules' trainable arrays are `arrays` (tree_flatten order, module by module); restored after.
 
     For tracing a function of the parameters (mx.vjp): the modules run on the traced arrays, so the
-    gradients reach them, and afterwards hold their own arrays again, not the traced copies.
+    gradients reach them, and afterwards hold their own arrays again, not the traced copies. The one
+    assignment onto mlx-lm modules left (MLX modules read their parameters from themselves, as
+    nn.value_and_grad's update does): scoped, always restored, and serialised across threads.
     """
-    saved = [tree_flatten(m.trainable_parameters()) for m in modules]
-    it = iter(arrays)
-    try:
-        for m, items in zip(modules, saved):
-            if items:
-                m.update(tree_unflatten([(k, next(it)) for k, _ in items]))
-        yield
-    finally:
-        for m, items in zip(modules, saved):
-            if items:
-                m.update(tree_unflatten(items))
+    with _SUBSTITUTING:
+        saved = [tree_flatten(m.trainable_parameters()) for m in modules]
+        it = iter(arrays)
+        try:
+            for m, items in zip(modules, saved):
+                if items:
+                    m.update(tree_unflatten([(k, next(it)) for k, _ in items]))
+            yield
+        finally:
+            for m, items in zip(modules, saved):
+                if items:
+                    m.update(tree_unflatten(items))
 
 
 class Stack:
     """The parts of one mlx-lm model: embed, run layers a..b with chosen masks and positions, final norm."""
 
     def __init__(self, model: nn.Module):
+        check_mlx_lm()
         self.family = family_of(model)
+        check_parts(model, self.family)
+        self.layer_family = FAMILIES[self.family]
         self.model = model
         self.inner = model.model
         self.layers = list(self.inner.layers)
@@ -181,38 +155,11 @@ class Stack:
             return "mask"
         return "split" if layout.split is not None else "exclusion"
 
-    @contextmanager
-    def positions(self, layout: Layout) -> Iterator[None]:
-        """While inside, ropes see the layout's logical positions and attention takes its packed masks."""
-        modules = [type(layer.self_attn).__module__ for layer in self.layers]
-        if not layout.plain and any(self._packed_kind(w, layout) != "mask" for w in self.windows):
-            with packed_masks_in(modules), self._rope_positions(layout):
-                yield
-        else:
-            with self._rope_positions(layout):
-                yield
-
-    @contextmanager
-    def _rope_positions(self, layout: Layout) -> Iterator[None]:
-        """While inside, every attention's rope sees the layout's logical positions (nothing to do if plain)."""
-        if layout.plain:
-            yield
-            return
-        attns = [layer.self_attn for layer in self.layers]
-        ropes = [a.rope for a in attns]
-        try:
-            for a, rope in zip(attns, ropes):
-                a.rope = PositionedRope(rope, layout.positions)
-            yield
-        finally:
-            for a, rope in zip(attns, ropes):
-                a.rope = rope
-
-    def run(self, h: mx.array, masks: list[Any], start: int, stop: int) -> mx.array:
-        """Layers start..stop-1 on hidden states h (call inside `positions`)."""
-        for i in range(start, stop):
-            h = self.layers[i](h, masks[i])
-        return h
+    def run(self, h: mx.array, masks: Sequence[Any], start: int, stop: int, positions: mx.array | None = None,
+            mlps: Sequence[Callable[[mx.array], mx.array]] | None = None) -> mx.array:
+        """Layers start..stop-1 on hidden states h: masks[i] for layer i, RoPE at `positions` ([B, L]; the
+        layout's, None for plain rows), and mlps[i - start] in place of layer i's own MLP where given."""
+        return run_layers(self.layer_family, self.layers[start:stop], h, masks[start:stop], positions, mlps)
 
     def norm(self, h: mx.array) -> mx.array:
         """The final norm."""
@@ -221,7 +168,4 @@ class Stack:
     def hidden(self, layout: Layout) -> mx.array:
         """Final (normed) hidden states of the layout's rows: what `model.model(tokens)` returns on plain rows."""
         h = self.embed(layout.tokens)
-        masks = self.masks(layout, h)
-        with self.positions(layout):
-            h = self.run(h, masks, 0, len(self.layers))
-        return self.norm(h)
+        return self.norm(self.run(h, self.masks(layout, h), 0, len(self.layers), layout.positions))

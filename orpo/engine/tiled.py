@@ -1,9 +1,10 @@
 """Token-tiled MLP backward: a layer's MLP differentiated in token chunks, its activations never held whole.
 
 The MLP acts on each token alone, so its vjp over T tokens is the sum (parameters) and the concatenation
-(inputs) of its vjps over token chunks. Inside the segmented backward's recompute, each layer's `mlp` is
-swapped for `TiledMLP`: a custom function of (x, the MLP's trainable arrays) whose forward keeps nothing
-and whose vjp recomputes one chunk at a time, each chunk made to wait for the previous one's results.
+(inputs) of its vjps over token chunks. Inside the segmented backward's recompute, the engine's forward
+calls `tiled_mlp` of each layer's MLP in its place: a custom function of (x, the MLP's trainable arrays)
+whose forward keeps nothing and whose vjp recomputes one chunk at a time, each chunk made to wait for the
+previous one's results.
 The MLP's [tokens, intermediate] activations, most of a layer's working set, then exist for one chunk at
 a time (as far as MLX's run-ahead allows; `train.engine.memory_limit_gb` bounds that too). The MLP must
 compute the same per token whatever the chunk: a dropout drawn over the input's shape would not (the
@@ -12,8 +13,7 @@ caller refuses it).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -32,7 +32,7 @@ def tiled_vjp(mlp: nn.Module, chunks: int) -> Callable[..., mx.array]:
 
     @mx.custom_function
     def tiled(x: mx.array, *params: mx.array) -> mx.array:
-        return mlp(x)  # params are the MLP's own arrays (TiledMLP passes them): inputs only for the vjp
+        return mlp(x)  # params are the MLP's own arrays (tiled_mlp passes them): inputs only for the vjp
 
     @tiled.vjp
     def tiled_backward(primals, cotangent, output):
@@ -52,29 +52,12 @@ def tiled_vjp(mlp: nn.Module, chunks: int) -> Callable[..., mx.array]:
     return tiled
 
 
-class TiledMLP(nn.Module):
-    """An MLP that runs as itself forward and differentiates in `chunks` token chunks (see the module doc)."""
-
-    def __init__(self, mlp: nn.Module, chunks: int):
-        super().__init__()
-        self.inner = mlp
-        self._fn = tiled_vjp(mlp, chunks)
-
-    def __call__(self, x: mx.array) -> mx.array:
-        return self._fn(x, *(v for _, v in tree_flatten(self.inner.trainable_parameters())))
+def tiled_mlp(mlp: nn.Module, chunks: int) -> Callable[[mx.array], mx.array]:
+    """x -> mlp(x), differentiated in `chunks` token chunks (see the module doc): run in place of the layer's MLP."""
+    fn = tiled_vjp(mlp, chunks)
+    return lambda x: fn(x, *(v for _, v in tree_flatten(mlp.trainable_parameters())))
 
 
-@contextmanager
-def tiled_mlps(layers: list[nn.Module], chunks: int) -> Iterator[None]:
-    """While inside, each layer's `mlp` is a TiledMLP of itself (chunks <= 1: nothing changes); always restored."""
-    if chunks <= 1:
-        yield
-        return
-    originals = [layer.mlp for layer in layers]
-    try:
-        for layer, mlp in zip(layers, originals):
-            layer.mlp = TiledMLP(mlp, chunks)
-        yield
-    finally:
-        for layer, mlp in zip(layers, originals):
-            layer.mlp = mlp
+def tiled_mlps(layers: Sequence[nn.Module], chunks: int) -> list[Callable[[mx.array], mx.array]] | None:
+    """Each layer's MLP as `tiled_mlp` for the engine's forward to call (chunks <= 1: None, their own MLPs)."""
+    return None if chunks <= 1 else [tiled_mlp(layer.mlp, chunks) for layer in layers]

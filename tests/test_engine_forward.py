@@ -1,0 +1,159 @@
+"""The engine's own decoder-layer forward: the mlx-lm it mirrors, LoRA/DoRA-wrapped layers, nothing patched.
+
+Oracle: mlx-lm's own model forward (`model.model(tokens)` bit for bit on plain rows, `model(tokens)` logits
+within float32 matmul tolerance), for every supported family.
+"""
+
+import re
+import tomllib
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+from mlx.utils import tree_flatten
+from mlx_lm.models import base, llama
+from mlx_lm.tuner.utils import linear_to_lora_layers
+from test_engine_stack import VARIANTS, random_pairs, tiny_model
+
+from conftest import MATMUL_TOL
+from orpo.engine import forward
+from orpo.engine.forward import (FAMILIES, MLX_LM_TESTED, UnsupportedModel, check_mlx_lm, missing_parts,
+                                 mlx_lm_version_supported)
+from orpo.engine.head import head_logits, lm_head_of
+from orpo.engine.segmented import segmented_value_and_grad
+from orpo.engine.stack import Layout, Stack
+from orpo.train.rows import shared_rows
+
+VOCAB = 512
+PYPROJECT = Path(__file__).resolve().parents[1] / "pyproject.toml"
+
+
+def test_installed_mlx_lm_is_in_the_tested_range_pyproject_pins():
+    pins = [d for d in tomllib.loads(PYPROJECT.read_text())["project"]["dependencies"] if re.match(r"mlx-lm\b", d)]
+    assert pins == [f"mlx-lm{MLX_LM_TESTED}"]
+    assert mlx_lm_version_supported(check_mlx_lm())
+    assert mlx_lm_version_supported("0.32.2") and mlx_lm_version_supported("0.32.9")
+    assert not mlx_lm_version_supported("0.32.1") and not mlx_lm_version_supported("0.33.0")
+    assert not mlx_lm_version_supported("0.33.0rc1")
+
+
+def test_an_untested_mlx_lm_is_refused_with_the_range(monkeypatch):
+    monkeypatch.setattr(forward.importlib.metadata, "version", lambda name: "0.33.1")
+    check_mlx_lm.cache_clear()
+    try:
+        with pytest.raises(UnsupportedModel, match=r"mlx-lm 0\.33\.1 is installed.*>=0\.32\.2,<0\.33"):
+            Stack(tiny_model("llama"))
+    finally:
+        monkeypatch.undo()
+        check_mlx_lm.cache_clear()
+    Stack(tiny_model("llama"))
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_each_family_has_the_parts_its_forward_calls(variant):
+    model = tiny_model(variant)
+    family = forward.family_of(model)
+    assert family in FAMILIES and missing_parts(model, family) == []
+
+
+def test_a_model_lacking_a_part_is_refused_naming_it():
+    """A llama layer read as qwen3 (q/k norms) or gemma2 (softcap, sandwich norms) lacks those parts."""
+    model = tiny_model("llama")
+    assert missing_parts(model, "qwen3") == ["model.layers.0.self_attn.q_norm", "model.layers.0.self_attn.k_norm"]
+    assert "model.layers.0.pre_feedforward_layernorm" in missing_parts(model, "gemma2")
+    with pytest.raises(UnsupportedModel, match="lacks model.layers.0.self_attn.q_norm"):
+        forward.check_parts(model, "qwen3")
+
+
+PROJECTIONS = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+               "mlp.up_proj", "mlp.down_proj"]
+
+
+def adapted(model: nn.Module, keys: list[str], use_dora: bool = False) -> nn.Module:
+    """The model with mlx-lm's own LoRA or DoRA layers on `keys` of every layer, their B factors random (not 0)."""
+    linear_to_lora_layers(model, len(model.model.layers), {"rank": 4, "scale": 2.0, "dropout": 0.0, "keys": keys},
+                          use_dora=use_dora)
+    rng = np.random.default_rng(7)
+    for _, m in model.named_modules():
+        if hasattr(m, "lora_b"):
+            m.lora_b = mx.array(rng.normal(scale=0.1, size=m.lora_b.shape).astype(np.float32))
+    mx.eval(model.parameters())
+    model.eval()
+    return model
+
+
+@pytest.mark.parametrize("use_dora", [False, True], ids=["lora", "dora"])
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_forward_through_mlx_lm_adapters_equals_the_model(variant, use_dora):
+    """mlx-lm's LoRALinear/DoRALinear wrap the projections; they are called as modules, so the stack's hidden
+    states stay bit-identical to the model's and its logits equal `model(tokens)`."""
+    model = adapted(tiny_model(variant), PROJECTIONS, use_dora)
+    kind = "DoRALinear" if use_dora else "LoRALinear"
+    assert type(model.model.layers[0].self_attn.q_proj).__name__ == kind
+    assert type(model.model.layers[0].mlp.down_proj).__name__ == kind
+    tokens = mx.array(np.random.default_rng(8).integers(0, VOCAB, (2, 21)), mx.int32)
+    hidden = Stack(model).hidden(Layout(tokens))
+    assert np.array_equal(np.array(hidden), np.array(model.model(tokens)))
+    np.testing.assert_allclose(np.array(head_logits(lm_head_of(model), hidden)), np.array(model(tokens)),
+                               rtol=MATMUL_TOL, atol=MATMUL_TOL)
+    # Control: the adapters change the output (their B factors are not zero).
+    assert np.abs(np.array(hidden) - np.array(tiny_model(variant).model(tokens))).max() > 1e-3
+
+
+class Probe(nn.Module):
+    """Stands in for a projection: calls it and, each time, records whatever of mlx-lm differs from `before`."""
+
+    def __init__(self, inner: nn.Module, check):
+        super().__init__()
+        self.inner = inner
+        self._check = check  # a function: a plain attribute, not a child module
+
+    def __call__(self, x: mx.array) -> mx.array:
+        self._check()
+        return self.inner(x)
+
+
+def mlx_lm_state(model: nn.Module) -> dict:
+    """The objects a patching engine would replace: module-level attention functions, each layer's rope and mlp."""
+    state = {"llama.sdpa": llama.scaled_dot_product_attention, "base.sdpa": base.scaled_dot_product_attention}
+    for i, layer in enumerate(model.model.layers):
+        state[f"{i}.rope"], state[f"{i}.mlp"] = layer.self_attn.rope, layer.mlp
+        state[f"{i}.attn"] = layer.self_attn
+    return state
+
+
+def test_nothing_of_mlx_lm_is_replaced_while_the_engine_runs():
+    """While prefix-shared rows (split and exclusion attention) go forward and through the segmented backward
+    with tiled MLPs, mlx-lm's attention functions and every layer's rope, mlp and attention are its own."""
+    model = adapted(tiny_model("llama", num_hidden_layers=3), ["self_attn.q_proj", "mlp.down_proj"])
+    calls, changed = [], []
+
+    def check():
+        calls.append(1)
+        now = mlx_lm_state(model)
+        changed.extend(k for k in before if now[k] is not before[k])
+
+    for layer in model.model.layers:
+        layer.self_attn.o_proj = Probe(layer.self_attn.o_proj, check)
+    before = mlx_lm_state(model)
+    stack = Stack(model)
+    pairs = random_pairs(3, 3)
+    for attention in ("split", "exclusion"):
+        layout = shared_rows(pairs, attention=attention).layout
+        assert (layout.split is not None) == (attention == "split")
+        mx.eval(stack.hidden(layout))
+
+        def head_loss(h):
+            return (stack.norm(h) ** 2).mean(), {}
+
+        (loss, _), grads = segmented_value_and_grad(model, stack, layout, head_loss, 1, mlp_chunks=2)
+        want, want_grads = nn.value_and_grad(model, lambda: head_loss(stack.run(
+            stack.embed(layout.tokens), stack.masks(layout, stack.embed(layout.tokens)), 0, 3, layout.positions))[0])()
+        np.testing.assert_allclose(float(loss), float(want), rtol=10 * MATMUL_TOL)
+        for (name, g), (_, w) in zip(tree_flatten(grads), tree_flatten(want_grads)):
+            assert np.abs(np.array(w)).max() > 0, name
+            np.testing.assert_allclose(np.array(g), np.array(w), rtol=20 * MATMUL_TOL, atol=20 * MATMUL_TOL,
+                                       err_msg=name)
+    assert len(calls) >= 4 * 3 and changed == []

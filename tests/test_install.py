@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import site
 import subprocess
 import venv
@@ -26,16 +27,18 @@ def test_a_non_editable_install_runs_a_stage(tmp_path: Path) -> None:
     # pip builds the wheel in its own isolated environment (setuptools from the registry, as a user's pip would).
     subprocess.run([py, "-m", "pip", "install", "--no-deps", "--quiet", "--no-warn-script-location", str(ROOT)],
                    check=True, cwd=tmp_path)
+    # Nothing of this checkout on the path (PYTHONPATH would put it before the installed copy).
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     work = tmp_path / "work"
     work.mkdir()
     where = subprocess.run([py, "-c", "import orpo; print(orpo.__file__)"], check=True, capture_output=True,
-                           text=True, cwd=work).stdout.strip()
+                           text=True, cwd=work, env=env).stdout.strip()
     assert Path(where).is_relative_to(env_dir), where
     orpo = env_dir / "bin" / "orpo"
     for args in (["data", "rows", "--out", "raw.jsonl", "--n", "60"],
                  ["curate", "--inputs", "raw.jsonl", "--out", "curated", "--settings",
                   json.dumps({"validation_fraction": 0.1})]):
-        done = subprocess.run([orpo, *args], cwd=work, capture_output=True, text=True)
+        done = subprocess.run([orpo, *args], cwd=work, capture_output=True, text=True, env=env)
         assert done.returncode == 0, f"orpo {args[0]}: {done.stderr}"
     manifest = json.loads((work / "curated" / "manifest.json").read_text())
     assert manifest["output_rows"]["train"] > 0 and manifest["settings"]["recipe"] == "h4", done.stdout

@@ -16,6 +16,7 @@ from orpo.io import InputError, sha256_file
 from orpo.render.pairs import render_pairs
 from orpo.spin import DEFAULTS, spin_pairs
 from orpo.spin.drops import REASONS
+from orpo.train.settings import train_settings
 from orpo.train.trainer import train
 
 from conftest import TINY_TRAIN
@@ -241,7 +242,7 @@ def test_spin_pairs_train_and_the_next_iteration_uses_the_adapter(tiny_base, cur
                             {"max_length": 256, "max_prompt_length": 96})
     assert rendered["output_rows"] == m1["output_rows"]["total"]
     run = tmp_path / "run"
-    index = train(tiny_base, tmp_path / "rendered", run, TINY_TRAIN)
+    index = train(tiny_base, tmp_path / "rendered", run, train_settings(TINY_TRAIN))
     assert index["final_step"] == TINY_TRAIN["max_steps"]
     lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     losses = [x["loss"] for x in lines if x["split"] == "train"]

@@ -53,7 +53,9 @@ CHECKED = {
 
 
 # The sections whose stage reads typed settings: the class `check_settings` builds from the checked mapping.
-TYPED = {"train": "orpo.train.settings:TrainSettings"}
+TYPED = {"train": "orpo.train.settings:TrainSettings", "curate": "orpo.curate.settings:CurateSettings",
+         "base": "orpo.base.model:BaseSettings", "generate": "orpo.eval.generate:GenerateSettings",
+         "spin": "orpo.spin.settings:SpinSettings", "judge": "orpo.eval.judge.settings:JudgeSettings"}
 
 
 def _typed(section: str) -> type | None:

@@ -205,9 +205,9 @@ def test_json_list_rows_are_named_by_row_number(tiny_base, tmp_path):
 
 def test_bad_settings_and_iterations_are_refused(tiny_base, sft_rows, tmp_path):
     src = str(write_jsonl(tmp_path / "sft.jsonl", sft_rows[:2]))
-    with pytest.raises(ValueError, match=r"unknown setting\(s\) \['max_token'\]"):
+    with pytest.raises(ValueError, match=r"unknown key spin.max_token \(allowed here: "):
         spin_pairs([src], tiny_base, None, tmp_path / "out", {"max_token": 3}, 1)
-    with pytest.raises(ValueError, match="'top_p' must be a number in"):
+    with pytest.raises(ValueError, match="spin.top_p: 0 is less than or equal to the minimum of 0"):
         spin_pairs([src], tiny_base, None, tmp_path / "out", {"top_p": 0}, 1)
     with pytest.raises(ValueError, match="iteration 2 needs the adapter trained in iteration 1"):
         spin_pairs([src], tiny_base, None, tmp_path / "out", GEN, 2)

@@ -21,6 +21,7 @@ import mlx.core as mx, mlx.nn as nn
 from mlx_lm.models import llama
 from orpo.engine.head import response_mean_logps
 from orpo.train.lora import apply_lora
+from orpo.train.settings import lora_settings
 from orpo.train.step import orpo_loss
 
 a = mx.random.normal((1024, 1024)); b = mx.random.normal((1024, 1024)); mx.eval(a, b)
@@ -32,8 +33,7 @@ gflops = 2 * 1024**3 * n / (time.perf_counter() - t) / 1e9
 args = llama.ModelArgs(model_type="llama", hidden_size=256, num_hidden_layers=4, intermediate_size=768,
                        num_attention_heads=4, rms_norm_eps=1e-5, vocab_size=4096)
 model = llama.Model(args); mx.eval(model.parameters())
-apply_lora(model, {"rank": 16, "alpha": 32, "dropout": 0.0, "num_layers": -1,
-                   "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]}, 0)
+apply_lora(model, lora_settings({"rank": 16, "alpha": 32, "dropout": 0.0, "num_layers": -1}), 0)
 tokens = mx.random.randint(0, 4096, (8, 1024)); mask = mx.concatenate([mx.zeros((8, 512)), mx.ones((8, 512))], 1)
 def loss(m, t, k):
     lp = response_mean_logps(m, t, k); return orpo_loss(lp[:4], lp[4:], 0.1)[0]

@@ -44,23 +44,25 @@ def rank_main(job: dict[str, Any]) -> None:
     from orpo.train.data import Pairs
     from orpo.train.distributed import join
     from orpo.train.lora import apply_lora
-    from orpo.train.session import Session, resolve_settings
+    from orpo.train.session import Session, resolve_run
+    from orpo.train.settings import train_settings
 
     shape, world = Shape(**job["shape"]), job["world"]
-    shard = join({"processes": world, "backend": "any"})
+    s = train_settings({"batch_size": shape.pairs, "lora": LORA, "grad_clip": 1.0, "seed": job["seed"],
+                        "distributed": {"processes": world}})
+    shard = join(s.distributed)
     mx.random.seed(job["seed"])  # the same base weights on every rank
     model = llama.Model(llama.ModelArgs(model_type="llama", **shape.llama_config()))
     model.set_dtype(getattr(mx, shape.dtype))
-    s = resolve_settings({"batch_size": shape.pairs, "lora": LORA, "grad_clip": 1.0, "seed": job["seed"]})
-    keys = shard.dropout_keys(s["seed"])
-    adapter_config = apply_lora(model, s["lora"], s["seed"], keys)
+    keys = shard.dropout_keys(s.seed)
+    adapter_config = apply_lora(model, s.lora, s.seed, keys)
     # The global batch: world * pairs distinct random pairs; Session.micro_batches hands each rank its own.
     prompts, chosen, rejected = random_pair_tokens(Shape(**{**job["shape"], "pairs": shape.pairs * world}), job["seed"])
     scored = [[1] * shape.response for _ in prompts]
     pairs = Pairs([str(i) for i in range(len(prompts))], prompts, chosen, rejected, scored, [list(m) for m in scored])
     total = job["warmup"] + job["steps"]
     opt = lora_adamw("constant", 1e-5, total, 0, 0.0)
-    sess = Session(s=s, model=model, opt=opt, adapter_config=adapter_config, train=pairs,
+    sess = Session(resolved=resolve_run(s, model), model=model, opt=opt, adapter_config=adapter_config, train=pairs,
                    schedule=[list(range(len(pairs)))] * total, keys=keys, shard=shard)
     for step in range(1, job["warmup"] + 1):
         sess.step(step)

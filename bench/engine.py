@@ -48,7 +48,9 @@ from orpo.device import cuda_available
 from orpo.train.data import Pairs
 
 from orpo.engine.head import fused_logp, fused_logp_eager, lm_head_of
-from orpo.train.step import PLAIN, pair_value_and_grad
+from orpo.settings import as_dict
+from orpo.train.settings import EngineSettings, engine_settings, lora_settings
+from orpo.train.step import PLAIN, pair_value_and_grad, resolve_engine
 
 # Every case starts from the naive engine (not the schema's defaults, which switch techniques on), so
 # "naive" is the plain path and each other case names exactly the techniques it turns on. Width multiple
@@ -56,8 +58,15 @@ from orpo.train.step import PLAIN, pair_value_and_grad
 # backward unless the length happens to be a multiple of 128).
 # compile false: a variant asks for mx.compile by name (the "-compiled" ones).
 ENGINE_DEFAULTS: dict[str, Any] = {**section_defaults("train")["engine"], **PLAIN, "width_multiple": 1, "compile": False}
-LORA = {**section_defaults("train")["lora"], "rank": 16, "dropout": 0.0,
-        "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]}
+LORA = lora_settings({"rank": 16, "dropout": 0.0,
+                      "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]})
+BENCH_KEYS = ("eager",)  # a case's keys of its own (not train.engine's)
+
+
+def engine_of(case: Case) -> EngineSettings:
+    """A case's engine settings, resolved on this machine as a run resolves them."""
+    e = {k: v for k, v in {**ENGINE_DEFAULTS, **case.engine}.items() if k not in BENCH_KEYS}
+    return resolve_engine(engine_settings(e))
 LAMBDA = 0.1
 GB = 1e9
 
@@ -113,9 +122,9 @@ def run_step_case(case: Case, steps: int, warmup: int, seed: int) -> dict[str, A
     """One full ORPO value_and_grad per step over the case's random pairs."""
     from orpo.engine.queue import memory_limit
 
-    engine = {**ENGINE_DEFAULTS, **case.engine}
+    engine = engine_of(case)
     model, pairs = step_inputs(case, seed)
-    with memory_limit(float(engine["memory_limit_gb"])):  # as orpo.train.session applies it
+    with memory_limit(engine.memory_limit_gb):  # as orpo.train.session applies it
         out, ((loss, _), _) = _timed(lambda: pair_value_and_grad(model, pairs, LAMBDA, engine), steps, warmup)
     return {**out, "path": "train.step", "loss": loss.item(), "tokens_per_s": case.shape.two_forward_tokens() / out["step_s"]}
 
@@ -124,7 +133,7 @@ def run_head_case(case: Case, steps: int, warmup: int, seed: int) -> dict[str, A
     """The head alone: M = pairs * response hidden states -> mean log-prob, gradient w.r.t. the hidden states."""
     from orpo.engine.head import mean_logps_from_logits
 
-    engine = {**ENGINE_DEFAULTS, **case.engine}
+    engine = engine_of(case)
     shape = case.shape
     model = build_model(shape, seed, layers=1)  # only its output projection is used
     model.freeze()
@@ -133,19 +142,19 @@ def run_head_case(case: Case, steps: int, warmup: int, seed: int) -> dict[str, A
     h = mx.random.normal((m, shape.hidden), key=key_h).astype(getattr(mx, shape.dtype))
     targets = mx.random.randint(0, shape.vocab, (m,), key=key_t)
     mx.eval(h, targets)
-    if engine["head"] == "fused" and case.engine.get("eager"):
+    if engine.head == "fused" and case.engine.get("eager"):
         # The segmented backward's head (fused_logp_eager): chunks evaluated one at a time, outside autodiff.
-        head, path = lm_head_of(model), f"engine.head eager c{engine['head_chunk']}"
+        head, path = lm_head_of(model), f"engine.head eager c{engine.head_chunk}"
 
         def eager_step() -> tuple[mx.array, mx.array]:
-            logp, grad_fn = fused_logp_eager(head, h, targets, int(engine["head_chunk"]), int(engine["overlap"]))
+            logp, grad_fn = fused_logp_eager(head, h, targets, engine.head_chunk, engine.overlap)
             return logp.mean(), grad_fn(mx.full(logp.shape, 1.0 / m))
 
         out, (loss, _) = _timed(eager_step, steps, warmup)
         return {**out, "path": path, "loss": loss.item(), "tokens_per_s": m / out["step_s"]}
-    if engine["head"] == "fused":
-        head, path = lm_head_of(model), f"engine.head c{engine['head_chunk']}"
-        loss = lambda x: fused_logp(head, x, targets, int(engine["head_chunk"])).mean()
+    if engine.head == "fused":
+        head, path = lm_head_of(model), f"engine.head c{engine.head_chunk}"
+        loss = lambda x: fused_logp(head, x, targets, engine.head_chunk).mean()
     else:
         project = model.model.embed_tokens.as_linear if shape.tied else model.lm_head
         path = "engine.head (logits)"
@@ -245,7 +254,8 @@ def measure(cases: list[Case], steps: int, warmup: int, seed: int, timeout: int,
         row = _row(case.name, case.baseline, result)
         print(f"  {case.name}: " + (row["note"] or f"{result['tokens_per_s']:.0f} tokens/s, peak {result['peak_gb']:.3f} GB"),
               flush=True)
-        records.append({**case.to_json(), "engine_resolved": {**ENGINE_DEFAULTS, **case.engine}, "result": result})
+        records.append({**case.to_json(), "engine_resolved": {**as_dict(engine_of(case)), **case.engine},
+                        "result": result})
         save(records)  # a run cut short (device time limit) still leaves the variants it finished
     return records
 
@@ -311,7 +321,7 @@ def main() -> None:
             from orpo.io import write_json
 
             write_json(a.json, {"bench": "engine", "suite": a.shape, "steps": a.steps, "warmup": a.warmup,
-                                "seed": a.seed, "lambda": LAMBDA, "lora": LORA, "environment": env, "cases": records,
+                                "seed": a.seed, "lambda": LAMBDA, "lora": as_dict(LORA), "environment": env, "cases": records,
                                 "checks": checks, "complete": checks is not None, "seconds": time.time() - t0})
 
     records = measure(cases, a.steps, a.warmup, a.seed, a.timeout, save)

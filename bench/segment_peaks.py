@@ -14,13 +14,14 @@ import argparse
 import json
 
 import mlx.core as mx
-from engine import LAMBDA, step_inputs  # this script runs from bench/
+from engine import BENCH_KEYS, LAMBDA, step_inputs  # this script runs from bench/
 from engine_shapes import SUITES
 
 import orpo.engine.head as head_module
 import orpo.engine.queue as queue_module
 import orpo.engine.segmented as segmented_module
-from orpo.train.step import ENGINE_DEFAULTS, pair_value_and_grad
+from orpo.train.settings import engine_settings
+from orpo.train.step import pair_value_and_grad, resolve_engine
 
 GB = 1e9
 PHASES: list[tuple[str, float]] = []
@@ -47,7 +48,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=4)
     a = ap.parse_args()
     case = next(c for c in SUITES[a.shape].cases if c.name == a.variant)
-    engine = {**ENGINE_DEFAULTS, **case.engine, **json.loads(a.engine)}
+    given = {**case.engine, **json.loads(a.engine)}  # over the schema's defaults
+    engine = resolve_engine(engine_settings({k: v for k, v in given.items() if k not in BENCH_KEYS}))
     segmented_module.EvalQueue = recording_queue("segment")
     head_module.EvalQueue = recording_queue("head")
     model, pairs = step_inputs(case, 0)

@@ -155,7 +155,7 @@ def run_train(model: Path, rendered: Path, out: Path, settings: dict[str, Any], 
     if failed is None:
         run = json.loads((out / "index.json").read_text()).get("run", {})
         result.update({"traces": run.get("traces"), "memory": run.get("memory"),
-                       "engine_resolved": json.loads((out / "settings.json").read_text())["engine_resolved"]})
+                       "engine_resolved": json.loads((out / "settings.json").read_text())["resolved"]["settings"]["engine"]})
     return result
 
 
@@ -188,10 +188,11 @@ def profile(model: Path, rendered: Path, settings: dict[str, Any], steps: int) -
     import mlx.optimizers as optim
     from mlx.utils import tree_flatten
 
-    from orpo.train.step import batch_value_and_grad, pair_value_and_grad
     from orpo.train.session import build_session
+    from orpo.train.settings import train_settings
+    from orpo.train.step import batch_value_and_grad, pair_value_and_grad
 
-    sess = build_session(model, rendered, settings)
+    sess = build_session(model, rendered, train_settings(settings))
     params = lambda: sess.model.trainable_parameters()  # noqa: E731
     clip = mx.compile(lambda g: optim.clip_grad_norm(g, 1.0)[1])
     times: dict[str, list[float]] = {}
@@ -220,7 +221,7 @@ def profile(model: Path, rendered: Path, settings: dict[str, Any], steps: int) -
         batches = timed("host: rows of the step (prepare)", lambda: sess.prepare(step), device=False)
         timed("host: dropout keys", lambda: sess.keys.at(step, 0), device=False)
         (_, metrics), grads = timed("forward + backward", lambda: batch_value_and_grad(
-            sess.model, batches[0], sess.s["lambda"], sess.engine))
+            sess.model, batches[0], sess.s.lambda_, sess.engine))
         timed("clip alone (compiled)", lambda: clip(grads))
         timed("clip + update, flat and compiled (the trainer's)", lambda: [sess.update_fn()(grads), sess.opt.state])
         timed("clip + update, per matrix, compiled", lambda: [per_matrix_compiled(grads, params()), per_matrix.state])
@@ -228,7 +229,7 @@ def profile(model: Path, rendered: Path, settings: dict[str, Any], steps: int) -
         timed("metrics read", lambda: [v.item() for v in metrics.values()], device=False)
         timed("log line", lambda: json.dumps({k: round(v.item(), 6) for k, v in metrics.items()}), device=False)
         timed("engine bench's step (pack + value_and_grad)", lambda: pair_value_and_grad(
-            sess.model, sess.train.select(sess.micro_batches(step)[0]), sess.s["lambda"], sess.engine))
+            sess.model, sess.train.select(sess.micro_batches(step)[0]), sess.s.lambda_, sess.engine))
         timed("whole step, serial (prepare, run, read)", lambda: sess.run(step, sess.prepare(step)).read(), device=False)
 
         def overlapped() -> dict[str, float]:
@@ -249,10 +250,11 @@ def new_shape_costs(model: Path, rendered: Path, settings: dict[str, Any], count
 
     import mlx.core as mx
 
-    from orpo.train.step import batch_value_and_grad
     from orpo.train.session import build_session
+    from orpo.train.settings import train_settings
+    from orpo.train.step import batch_value_and_grad
 
-    sess = build_session(model, rendered, settings)
+    sess = build_session(model, rendered, train_settings(settings))
     ptx = lambda: sum(len(os.listdir(d)) for d in glob.glob(os.path.join(tempfile.gettempdir(), "mlx", "*", "ptx")))  # noqa: E731
     args = sess.model.args
     heads, dim = args.num_attention_heads, args.hidden_size // args.num_attention_heads
@@ -273,7 +275,7 @@ def new_shape_costs(model: Path, rendered: Path, settings: dict[str, Any], count
             seen.add(sig)
             files = ptx()
             sess.keys.at(step, j)
-            step_fn = lambda: batch_value_and_grad(sess.model, b, sess.s["lambda"], sess.engine)  # noqa: E731
+            step_fn = lambda: batch_value_and_grad(sess.model, b, sess.s.lambda_, sess.engine)  # noqa: E731
             row = {"signature": repr(sig), "first_s": timed(step_fn), "again_s": timed(step_fn)}
             rows, width = b.packed.layout.tokens.shape if b.packed is not None else b.plain[0].shape
             if width not in widths:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import sys
@@ -51,13 +52,34 @@ CHECKED = {
 }
 
 
+# The sections whose stage reads typed settings: the class `check_settings` builds from the checked mapping.
+TYPED = {"train": "orpo.train.settings:TrainSettings", "curate": "orpo.curate.settings:CurateSettings",
+         "base": "orpo.base.model:BaseSettings", "generate": "orpo.eval.generate:GenerateSettings",
+         "spin": "orpo.spin.settings:SpinSettings", "judge": "orpo.eval.judge.settings:JudgeSettings"}
+
+
+def _typed(section: str) -> type | None:
+    if section not in TYPED:
+        return None
+    module, name = TYPED[section].split(":")
+    return getattr(importlib.import_module(module), name)
+
+
 def check_settings(args: argparse.Namespace) -> None:
-    """Check a command's settings against the config schema before any work: unknown keys, wrong types."""
+    """Check a command's settings against the config schema before any work: unknown keys, wrong types.
+
+    A section with typed settings (TYPED) is built here, once, into its frozen dataclass, the schema's
+    defaults filled in; the others stay mappings, checked.
+    """
     from orpo.config import validate_settings
+    from orpo.settings import build
 
     command = " ".join(filter(None, [args.stage, getattr(args, "action", None)]))
     for attr, option, section, drop in CHECKED.get(command, []):
-        setattr(args, attr, validate_settings(section, getattr(args, attr), drop=drop, what=option))
+        cls = _typed(section)
+        value = getattr(args, attr)
+        setattr(args, attr, build(cls, section, value, drop, option) if cls else
+                validate_settings(section, value, drop=drop, what=option))
 
 
 def _labelled(text: str) -> tuple[str, str]:
@@ -99,9 +121,9 @@ def cmd_render(a: argparse.Namespace) -> Any:
 
 
 def cmd_train(a: argparse.Namespace) -> Any:
-    from orpo.train.launch import distributed_settings, launch, needs_launch
+    from orpo.train.launch import launch, needs_launch
 
-    dist = distributed_settings(a.settings)
+    dist = a.settings.distributed
     if needs_launch(dist):  # train.distributed.processes > 1: this same command as N ranks
         raise SystemExit(launch(a.argv, dist, Path(a.out) / "adapters.safetensors"))
     from orpo.train.trainer import train
@@ -112,9 +134,12 @@ def cmd_train(a: argparse.Namespace) -> Any:
 
 def cmd_replay(a: argparse.Namespace) -> Any:
     from orpo.io import write_json
-    from orpo.train.launch import distributed_settings, launch, needs_launch
+    from orpo.train.launch import launch, needs_launch
+    from orpo.folders import require_complete
+    from orpo.train.settings import recorded_run
 
-    dist = distributed_settings(json.loads((Path(a.run) / "settings.json").read_text())["settings"])
+    settings, resolved, _ = recorded_run(require_complete(a.run, "training run"))  # a machine that cannot reproduce the run stops here
+    dist = (resolved.settings if resolved else settings).distributed  # the backend the run resolved
     if needs_launch(dist):  # a run of N processes replays on N ranks, bit for bit
         raise SystemExit(launch(a.argv, dist, Path(a.out)))
     from orpo.train.trainer import replay

@@ -2,6 +2,7 @@
 settings files by file:line:column, and failed writes naming the file and the cause."""
 
 import copy
+import dataclasses
 import json
 import os
 import resource
@@ -15,6 +16,7 @@ import yaml
 from orpo.cli import CHECKED, build_parser, check_settings
 from orpo.config import PROJECT_ROOT, ConfigError, validate_config
 from orpo.experiments import prompt_rendering
+from orpo.settings import as_dict
 
 
 def file_size_limit(size):
@@ -33,6 +35,11 @@ def parsed(*argv):
     args = build_parser().parse_args([str(a) for a in argv])
     check_settings(args)
     return args
+
+
+def mapping(value):
+    """A checked argument as a mapping: a typed section (orpo.settings) as its keys, defaults filled in."""
+    return as_dict(value) if dataclasses.is_dataclass(value) else value
 
 
 COMMANDS = {  # the arguments each command needs besides its settings
@@ -75,7 +82,7 @@ def test_what_the_rules_pass_is_accepted_and_an_unknown_key_named(command):
     given = rule_settings(config)[command]
     argv = COMMANDS[command] + [x for option, value in given.items() for x in (option, json.dumps(value))]
     args = parsed(*argv)
-    assert [getattr(args, attr) for attr, *_ in CHECKED[command]] == list(given.values())
+    assert [mapping(getattr(args, attr)) for attr, *_ in CHECKED[command]] == list(given.values())
     for option, value in given.items():
         bad = {**copy.deepcopy(value), "bogus_key": 1}
         argv = COMMANDS[command] + [x for o, v in given.items() for x in (o, json.dumps(bad if o == option else v))]
@@ -89,7 +96,7 @@ def test_settings_wrong_types_named_by_dotted_key_and_numeric_strings_read():
     assert str(e.value) == ("--settings: train.lora.rank: 'x' is not of type 'integer'; "
                             "train.lr: 'fast' is not of type 'number'")
     args = parsed(*COMMANDS["train"], "--settings", json.dumps({"lr": "1e-3", "lora": {"rank": "4"}}))
-    assert args.settings == {"lr": 0.001, "lora": {"rank": 4}}
+    assert args.settings.lr == 0.001 and args.settings.lora.rank == 4 and args.settings.lora.alpha == 32.0
     with pytest.raises(ConfigError, match="unknown key spin.iterations"):  # the DAG's keys stay in the workflow
         parsed(*COMMANDS["spin"], "--settings", json.dumps({"iterations": 2}))
 

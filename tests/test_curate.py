@@ -564,9 +564,9 @@ def test_missing_local_input_is_an_error(tmp_path):
 
 def test_bad_settings_are_refused(tmp_path):
     src = write_jsonl(tmp_path / "in.jsonl", [H4_ROW])
-    with pytest.raises(ValueError, match="unknown setting"):
+    with pytest.raises(ValueError, match=r"unknown key curate.recpie \(allowed here: "):
         curate([src], str(tmp_path / "out"), {"recpie": "h4"})
-    with pytest.raises(ValueError, match="recipe"):
+    with pytest.raises(ValueError, match="curate.recipe: 'best' is not one of"):
         curate([src], str(tmp_path / "out"), {"recipe": "best"})
 
 

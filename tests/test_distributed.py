@@ -18,6 +18,7 @@ from orpo.train.checkpoint import read_index
 from orpo.train.distributed import ShardedDropoutKeys, shard_micro_batches
 from orpo.train.keys import DropoutKeys
 from orpo.train.launch import wait_all
+from orpo.train.settings import train_settings
 from orpo.train.trainer import build_session, train
 
 from conftest import TINY_TRAIN, shortest_pairs
@@ -57,7 +58,7 @@ def short(tiny_rendered, tmp_path_factory):
 def one(tiny_base, short, tmp_path_factory):
     """The oracle: one process, batch 4 (= 2 ranks x 2), same seed and data order."""
     out = tmp_path_factory.mktemp("one") / "run"
-    train(tiny_base, short, out, {**SETTINGS, "batch_size": 4})
+    train(tiny_base, short, out, train_settings({**SETTINGS, "batch_size": 4}))
     return out
 
 
@@ -191,7 +192,7 @@ def _alive(pid: int) -> bool:
 
 def test_processes_without_a_launcher_is_a_clear_error(tiny_base, short):
     with pytest.raises(ValueError, match="train.distributed.processes is 2"):
-        build_session(tiny_base, short, TWO_RANKS)
+        build_session(tiny_base, short, train_settings(TWO_RANKS))
 
 
 def test_two_ranks_with_the_cuda_default_engine_equal_one_process(tiny_base, short, tmp_path):
@@ -199,7 +200,7 @@ def test_two_ranks_with_the_cuda_default_engine_equal_one_process(tiny_base, sho
     the CPU: 2 ranks equal one process with twice the batch, and the run replays bit for bit."""
     engine = {"head": "fused", "width_multiple": 128, "prefix_sharing": True, "compile": True}
     one = tmp_path / "one"
-    train(tiny_base, short, one, {**SETTINGS, "batch_size": 4, "engine": engine})
+    train(tiny_base, short, one, train_settings({**SETTINGS, "batch_size": 4, "engine": engine}))
     two = tmp_path / "two"
     done = _orpo(*_train_cmd(tiny_base, short, two, {**TWO_RANKS, "engine": engine}))
     assert done.returncode == 0, done.stderr
@@ -207,7 +208,7 @@ def test_two_ranks_with_the_cuda_default_engine_equal_one_process(tiny_base, sho
     for k in a:
         rel = float(mx.linalg.norm((a[k] - b[k]).flatten()) / mx.linalg.norm(a[k].flatten()))
         assert float(mx.abs(a[k] - b[k]).max()) <= ADAPTER_ATOL and rel <= ADAPTER_RTOL, (k, rel)
-    assert json.loads((two / "settings.json").read_text())["engine_resolved"]["compile"] is True
+    assert json.loads((two / "settings.json").read_text())["resolved"]["settings"]["engine"]["compile"] is True
     out = tmp_path / "replay.json"
     done = _orpo("replay", "--run", str(two), "--model", str(tiny_base), "--rendered", str(short),
                  "--checkpoint", str(STEPS), "--from", "previous", "--out", str(out))

@@ -6,6 +6,7 @@ within LOSS_TOL (relative) and every LoRA gradient within GRAD_TOL in relative n
 the rungs differ only in summation order (measured: <= 2e-6 relative on the gradients).
 """
 
+import dataclasses
 import json
 
 import mlx.core as mx
@@ -20,15 +21,22 @@ from orpo.engine.head import response_mean_logps
 from orpo.train.data import pair_batch
 from orpo.train.keys import DropoutKeys
 from orpo.train.lora import adapter_weights, apply_lora
+from orpo.train.settings import engine_settings, lora_settings, train_settings
 from orpo.train.step import PLAIN, pair_logps, pair_value_and_grad, resolve_engine
 from orpo.train.step import naive_pair_loss as pair_loss
 from orpo.train.trainer import replay, train
+
+
+def resolved(engine):
+    """The engine settings of a mapping (schema defaults under it), resolved on this machine as a run does."""
+    return resolve_engine(engine_settings(engine))
+
 
 LOSS_TOL = 10 * MATMUL_TOL
 GRAD_TOL = 20 * MATMUL_TOL
 LAM = 0.25
 # Each rung turns on exactly its technique(s) over the plain path (the schema's defaults turn some on).
-ENGINES = {name: {**PLAIN, **e} for name, e in {
+ENGINES = {name: resolved({**PLAIN, **e}) for name, e in {
     "fused": {"head": "fused", "head_chunk": 7},
     "fused_auto_chunk": {"head": "fused", "head_chunk": 0},
     "segments_1": {"segment_layers": 1},
@@ -58,8 +66,8 @@ def lora_model(family: str, dropout: float = 0.0, num_layers: int = -1):
     """A 3-layer tiny model with LoRA on attention and MLP; B non-zero so every LoRA weight gets a gradient."""
     model = tiny_model(family, num_hidden_layers=3)
     keys = DropoutKeys(7)
-    lora = {"rank": 4, "alpha": 8, "num_layers": num_layers, "dropout": dropout,
-            "target_modules": ["q_proj", "v_proj", "o_proj", "down_proj"]}
+    lora = lora_settings({"rank": 4, "alpha": 8, "num_layers": num_layers, "dropout": dropout,
+                          "target_modules": ["q_proj", "v_proj", "o_proj", "down_proj"]})
     apply_lora(model, lora, 7, keys)
     rng = np.random.default_rng(0)
     model.load_weights([(k, mx.array(rng.normal(scale=0.05, size=v.shape).astype(np.float32)))
@@ -92,7 +100,7 @@ def assert_close(got, want, tol=GRAD_TOL):
 def test_plain_engine_is_the_trainer_path_bit_for_bit():
     model, _ = lora_model("llama", dropout=0.1)
     pairs = random_pairs(0, 3)
-    (loss, metrics), grads = pair_value_and_grad(model, pairs, LAM, PLAIN)
+    (loss, metrics), grads = pair_value_and_grad(model, pairs, LAM, resolved(PLAIN))
     (want_loss, _), want = naive(model, pairs)
     assert loss.item() == want_loss.item() and metrics["prefix_fallbacks"].item() == 0
     for (k, g), (_, w) in zip(tree_flatten(grads), tree_flatten(want)):
@@ -114,38 +122,40 @@ def test_width_multiple_pads_the_model_inputs_to_a_multiple(multiple):
     from orpo.train.step import pack
     pairs = random_pairs(1, 3)
     for sharing in (False, True):
-        tokens = pack(pairs, resolve_engine({**PLAIN, "prefix_sharing": sharing, "width_multiple": multiple})).layout.tokens
+        tokens = pack(pairs, resolved({**PLAIN, "prefix_sharing": sharing, "width_multiple": multiple})).layout.tokens
         assert tokens.shape[1] % multiple == 0
-        unpadded = pack(pairs, resolve_engine({**PLAIN, "prefix_sharing": sharing})).layout.tokens
+        unpadded = pack(pairs, resolved({**PLAIN, "prefix_sharing": sharing})).layout.tokens
         assert unpadded.shape[1] % multiple != 0  # the control: these pairs need padding to get there
     tokens, _ = pair_batch(pairs, [0, 1, 2], multiple)
     assert (tokens.shape[1] - 1) % multiple == 0
 
 
 def test_width_multiple_is_checked():
-    with pytest.raises(ValueError, match="width_multiple"):
-        resolve_engine({"width_multiple": -1})
+    with pytest.raises(ValueError, match="train.engine.width_multiple: -1 is less than the minimum of 0"):
+        engine_settings({"width_multiple": -1})
 
 
 def test_auto_settings_are_decided_by_the_device():
     from orpo.device import on_cuda
-    from orpo.train.step import input_multiple
-    e = resolve_engine({})
-    assert e["prefix_sharing"] is True  # on everywhere (bench/README.md)
-    assert e["prefix_attention"] == "auto"  # decided per batch by the rows (orpo.train.rows.shared_rows)
+    e = resolved({})
+    assert e.prefix_sharing is True  # on everywhere (bench/README.md)
+    assert e.prefix_attention == "auto"  # decided per batch by the rows (orpo.train.rows.shared_rows)
     with pytest.raises(ValueError, match="train.engine.prefix_attention"):
-        resolve_engine({"prefix_attention": "dims"})
-    assert input_multiple(e) == (128 if on_cuda() else None)
-    assert e["compile"] is on_cuda()
-    assert resolve_engine({"prefix_sharing": False})["prefix_sharing"] is False
+        engine_settings({"prefix_attention": "dims"})
+    assert e.input_multiple == (128 if on_cuda() else None)
+    assert e.compile is on_cuda()
+    assert resolved({"prefix_sharing": False}).prefix_sharing is False
+    assert resolve_engine(e) == e  # deciding again changes nothing
     with pytest.raises(ValueError, match="prefix_sharing"):
-        resolve_engine({"prefix_sharing": "yes"})
+        engine_settings({"prefix_sharing": "yes"})
     with pytest.raises(ValueError, match="train.engine.compile"):
-        resolve_engine({"compile": "yes"})
+        engine_settings({"compile": "yes"})
     with pytest.raises(ValueError, match="train.engine.overlap"):
-        resolve_engine({"overlap": -1})
+        engine_settings({"overlap": -1})
     with pytest.raises(ValueError, match="memory_limit_gb"):
-        resolve_engine({"memory_limit_gb": -1})
+        engine_settings({"memory_limit_gb": -1})
+    with pytest.raises(ValueError, match="train.engine has auto values left"):  # the step never decides them
+        pair_logps(lora_model("llama")[0], random_pairs(1, 2), engine_settings({}))
 
 
 def test_mlp_chunks_refuse_lora_dropout_on_the_mlp():
@@ -161,7 +171,7 @@ def test_a_compiled_step_reads_the_current_weights_and_dropout_keys(engine):
     from orpo.engine.compiled import kept_count
     model, keys = lora_model("llama", dropout=0.3)
     pairs = random_pairs(8, 3)
-    compiled, eager = ENGINES[engine], {**ENGINES[engine], "compile": False}
+    compiled, eager = ENGINES[engine], dataclasses.replace(ENGINES[engine], compile=False)
     first = pair_value_and_grad(model, pairs, LAM, compiled)
     assert_close(first, pair_value_and_grad(model, pairs, LAM, eager))
     traces = kept_count(model)
@@ -182,9 +192,9 @@ def test_segmented_recompute_redraws_the_dropout_masks(engine):
     model, keys = lora_model("llama", dropout=0.3)
     pairs = random_pairs(2, 3)
     settings = ENGINES[engine]
-    unsegmented = {**settings, "segment_layers": 0}  # same layout, so the same dropout masks
+    unsegmented = dataclasses.replace(settings, segment_layers=0)  # same layout, so the same dropout masks
     want = pair_value_and_grad(model, pairs, LAM, unsegmented)
-    if not settings.get("prefix_sharing"):
+    if not settings.prefix_sharing:
         assert_close(want, naive(model, pairs))  # rows [chosen; rejected]: the trainer's very masks
     assert_close(pair_value_and_grad(model, pairs, LAM, settings), want)
     # Control: other keys draw other masks, and that moves the gradient far beyond the tolerance
@@ -233,10 +243,10 @@ def test_validation_logps_match_the_naive_head(engine):
 
 
 def test_engine_settings_are_checked():
-    with pytest.raises(ValueError, match="train.engine.head"):
-        resolve_engine({"head": "flash"})
-    with pytest.raises(ValueError, match=r"unknown settings \['segments'\]"):
-        resolve_engine({"segments": 2})
+    with pytest.raises(ValueError, match="train.engine.head: 'flash' is not one of"):
+        engine_settings({"head": "flash"})
+    with pytest.raises(ValueError, match=r"unknown key train.engine.segments \(allowed here: cache_limit_gb"):
+        engine_settings({"segments": 2})
 
 
 ALL_ON = {"head": "fused", "head_chunk": 64, "segment_layers": 1, "prefix_sharing": True, "compile": True, "overlap": 1}
@@ -258,7 +268,7 @@ def test_training_with_every_engine_option_ends_near_the_naive_run(tiny_base, sh
     runs = {}
     for name, engine in (("naive", PLAIN), ("engine", ALL_ON)):
         runs[name] = tmp_path / name
-        train(tiny_base, short_rendered, runs[name], {**settings, "engine": engine})
+        train(tiny_base, short_rendered, runs[name], train_settings({**settings, "engine": engine}))
     a, b = adapters(runs["naive"]), adapters(runs["engine"])
     for k in a:
         # Measured 6.5e-6 on the CPU (summation order, through Adam); TF32 on CUDA is looser.
@@ -278,6 +288,6 @@ def test_training_with_dropout_and_every_engine_option_replays(tiny_base, short_
                 "lr": 0.01, "lora": {"rank": 4, "alpha": 8, "dropout": 0.2},
                 "engine": {**ALL_ON, "memory_limit_gb": 0.05}}  # a limit the steps keep running into
     run = tmp_path / "run"
-    train(tiny_base, short_rendered, run, settings)
+    train(tiny_base, short_rendered, run, train_settings(settings))
     assert replay(run, tiny_base, short_rendered, "final", "zero")["equal"]
     assert max(np.abs(v).max() for k, v in adapters(run).items() if k.endswith("lora_b")) > 1e-3

@@ -9,7 +9,11 @@ from conftest import ON_GPU
 from orpo.train.data import Pairs
 from orpo.train.keys import DropoutKeys
 from orpo.train.lora import apply_lora
-from orpo.train.step import pair_value_and_grad
+from orpo.train.settings import engine_settings, lora_settings
+from orpo.train.step import pair_value_and_grad, resolve_engine
+
+LORA = lora_settings({"rank": 4, "alpha": 8, "num_layers": -1, "dropout": 0.0,
+                      "target_modules": ["q_proj", "v_proj", "down_proj"]})
 
 SIZE = {"hidden_size": 64, "intermediate_size": 256, "num_attention_heads": 4, "num_key_value_heads": 4}
 
@@ -26,12 +30,11 @@ def long_pairs(n: int = 2, prompt: int = 128, response: int = 32) -> Pairs:
 
 def peak_bytes(layers: int, engine: dict) -> int:
     model = tiny_model("llama", num_hidden_layers=layers, **SIZE)
-    apply_lora(model, {"rank": 4, "alpha": 8, "num_layers": -1, "dropout": 0.0,
-                       "target_modules": ["q_proj", "v_proj", "down_proj"]}, 0, DropoutKeys(0))
+    apply_lora(model, LORA, 0, DropoutKeys(0))
     pairs = long_pairs()
     mx.eval(model.parameters())
     mx.reset_peak_memory()
-    (loss, _), grads = pair_value_and_grad(model, pairs, 0.1, engine)
+    (loss, _), grads = pair_value_and_grad(model, pairs, 0.1, resolve_engine(engine_settings(engine)))
     mx.eval(loss, grads)
     return mx.get_peak_memory()
 
@@ -58,10 +61,9 @@ def test_a_memory_limit_bounds_the_queued_segments_and_changes_no_result():
 
     def run(headroom: int | None):
         model = tiny_model("llama", num_hidden_layers=8, **SIZE)
-        apply_lora(model, {"rank": 4, "alpha": 8, "num_layers": -1, "dropout": 0.0,
-                           "target_modules": ["q_proj", "v_proj", "down_proj"]}, 0, DropoutKeys(0))
+        apply_lora(model, LORA, 0, DropoutKeys(0))
         pairs = long_pairs(4, 256, 64)
-        engine = {"head": "fused", "segment_layers": 1, "overlap": 8, "compile": False}
+        engine = resolve_engine(engine_settings({"head": "fused", "segment_layers": 1, "overlap": 8, "compile": False}))
         mx.eval(model.parameters(), pair_value_and_grad(model, pairs, 0.1, engine))  # warm: shapes and caches
         mx.clear_cache()
         base = mx.get_active_memory()

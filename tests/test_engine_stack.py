@@ -1,5 +1,6 @@
 """Our stack forward equals the model's for every family; prefix-shared rows give the hidden states of separate forwards."""
 
+import dataclasses
 import itertools
 
 import mlx.core as mx
@@ -256,7 +257,8 @@ def test_tight_rows_only_where_the_exclusion_dims_keep_attention_fused(monkeypat
     wide = tiny_model("llama", head_dim=128)
     monkeypatch.setattr(objective, "on_cuda", lambda: True)  # the decision as a CUDA machine takes it
     assert not objective.tight_rows_fit(wide) and objective.tight_rows_fit(tiny_model("llama"))
-    e = objective.resolve_engine({"prefix_attention": "exclusion"})
+    from orpo.train.settings import engine_settings
+    e = objective.resolve_engine(engine_settings({"prefix_attention": "exclusion"}))
     with pytest.raises(ValueError, match="exclusion widens this model's head dim \\(128\\)"):
         objective.check_attention(wide, e)
-    objective.check_attention(wide, {**e, "prefix_attention": "auto"})
+    objective.check_attention(wide, dataclasses.replace(e, prefix_attention="auto"))

@@ -113,7 +113,7 @@ def test_cache_holds_verdicts_only(tmp_path):
 
 def test_settings_name_the_bad_key():
     base = {"model": "m", "prompts_file": "p.jsonl"}
-    assert resolve_settings(base)["template"] == "orpo-pairwise"
+    assert resolve_settings(base).template == "orpo-pairwise"
     for bad, key in (({"kind": "vllm"}, "kind"), ({"max_retries": -1}, "max_retries"), ({"timeout_s": 0}, "timeout_s"),
                      ({"model": None}, "model"), ({"colour": 1}, "colour")):
         with pytest.raises(ValueError, match=key):
@@ -125,7 +125,7 @@ def test_the_projects_own_judge_prompt_is_the_default_and_loads():
     from orpo.eval.judge.settings import resolve_settings
 
     s = resolve_settings({"model": "m"})
-    prompt = load_judge_prompt(s["prompts_file"], s["template"])
+    prompt = load_judge_prompt(s.prompts_file, s.template)
     system, user = prompt.messages("Q?", "first answer", "second answer")
     assert system["role"] == "system" and "[[A]]" in system["content"] and "[[C]]" in system["content"]
     assert user["content"].index("first answer") < user["content"].index("second answer")

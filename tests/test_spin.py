@@ -16,6 +16,7 @@ from orpo.io import InputError, sha256_file
 from orpo.render.pairs import render_pairs
 from orpo.spin import DEFAULTS, spin_pairs
 from orpo.spin.drops import REASONS
+from orpo.train.settings import train_settings
 from orpo.train.trainer import train
 
 from conftest import TINY_TRAIN
@@ -204,9 +205,9 @@ def test_json_list_rows_are_named_by_row_number(tiny_base, tmp_path):
 
 def test_bad_settings_and_iterations_are_refused(tiny_base, sft_rows, tmp_path):
     src = str(write_jsonl(tmp_path / "sft.jsonl", sft_rows[:2]))
-    with pytest.raises(ValueError, match=r"unknown setting\(s\) \['max_token'\]"):
+    with pytest.raises(ValueError, match=r"unknown key spin.max_token \(allowed here: "):
         spin_pairs([src], tiny_base, None, tmp_path / "out", {"max_token": 3}, 1)
-    with pytest.raises(ValueError, match="'top_p' must be a number in"):
+    with pytest.raises(ValueError, match="spin.top_p: 0 is less than or equal to the minimum of 0"):
         spin_pairs([src], tiny_base, None, tmp_path / "out", {"top_p": 0}, 1)
     with pytest.raises(ValueError, match="iteration 2 needs the adapter trained in iteration 1"):
         spin_pairs([src], tiny_base, None, tmp_path / "out", GEN, 2)
@@ -241,7 +242,7 @@ def test_spin_pairs_train_and_the_next_iteration_uses_the_adapter(tiny_base, cur
                             {"max_length": 256, "max_prompt_length": 96})
     assert rendered["output_rows"] == m1["output_rows"]["total"]
     run = tmp_path / "run"
-    index = train(tiny_base, tmp_path / "rendered", run, TINY_TRAIN)
+    index = train(tiny_base, tmp_path / "rendered", run, train_settings(TINY_TRAIN))
     assert index["final_step"] == TINY_TRAIN["max_steps"]
     lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     losses = [x["loss"] for x in lines if x["split"] == "train"]

@@ -19,7 +19,9 @@ from orpo.io import sha256_file
 from orpo.train.checkpoint import kept_steps, read_index
 from orpo.train.lora import load_adapter_weights
 from orpo.train.progress import Progress
-from orpo.train.trainer import DEFAULTS, TrainingError, build_session, replay, train
+from orpo.train.settings import train_settings
+from orpo.config import section_defaults
+from orpo.train.trainer import TrainingError, build_session, replay, train
 
 from conftest import TINY_TRAIN
 
@@ -27,7 +29,7 @@ from conftest import TINY_TRAIN
 @pytest.fixture(scope="module")
 def run(tiny_base, tiny_rendered, tmp_path_factory):
     out = tmp_path_factory.mktemp("train") / "run"
-    train(tiny_base, tiny_rendered, out, TINY_TRAIN)
+    train(tiny_base, tiny_rendered, out, train_settings(TINY_TRAIN))
     return out
 
 
@@ -50,14 +52,14 @@ def test_run_folder_and_index(run):
 
 
 def test_same_settings_give_bit_identical_adapters(run, tiny_base, tiny_rendered, tmp_path, capsys):
-    train(tiny_base, tiny_rendered, tmp_path / "again", TINY_TRAIN)
+    train(tiny_base, tiny_rendered, tmp_path / "again", train_settings(TINY_TRAIN))
     # Not a terminal: clean JSON lines, one per log step (4, 8, 12) plus baseline and validations.
     lines = [json.loads(x) for x in capsys.readouterr().err.splitlines()]
     assert [x["step"] for x in lines if "loss" in x] == [4, 8, 12]
     assert [x["step"] for x in lines if "validation" in x] == [0, 4, 8, 12]
     assert sha256_file(tmp_path / "again" / "adapters.safetensors") == sha256_file(run / "adapters.safetensors")
     other = {**TINY_TRAIN, "seed": 1}
-    train(tiny_base, tiny_rendered, tmp_path / "seed1", other)
+    train(tiny_base, tiny_rendered, tmp_path / "seed1", train_settings(other))
     assert sha256_file(tmp_path / "seed1" / "adapters.safetensors") != sha256_file(run / "adapters.safetensors")
 
 
@@ -87,7 +89,7 @@ def test_adapter_loads_in_mlx_lm_and_changes_the_model(run, tiny_base, tiny_rend
     a, b = base_model(ids), tuned(ids)
     assert a.shape == b.shape
     assert float(mx.abs(a - b).max()) > 1e-4
-    ours = build_session(tiny_base, tiny_rendered, TINY_TRAIN)  # our layer, eval mode: mlx-lm's logits
+    ours = build_session(tiny_base, tiny_rendered, train_settings(TINY_TRAIN))  # our layer, eval mode: mlx-lm's logits
     load_adapter_weights(ours.model, run)
     ours.model.eval()
     np.testing.assert_allclose(np.array(ours.model(ids)), np.array(b), rtol=1e-5, atol=1e-6)
@@ -125,7 +127,7 @@ def test_non_finite_loss_stops_with_a_clear_error(tiny_base, tiny_rendered, tmp_
     weights["model.layers.1.mlp.down_proj.weight"] = mx.array(w)
     mx.save_safetensors(str(broken / "model.safetensors"), weights)
     with pytest.raises(TrainingError, match="non-finite loss or gradient at step 1"):
-        train(broken, tiny_rendered, tmp_path / "run", TINY_TRAIN)
+        train(broken, tiny_rendered, tmp_path / "run", train_settings(TINY_TRAIN))
     assert not (tmp_path / "run").exists()
 
 
@@ -134,13 +136,13 @@ def test_divergence_stops_training_and_keeps_the_last_good_checkpoint(tiny_base,
     from the CLI), with no checkpoint of the diverged weights; with the rule off, the same run completes."""
     settings = {**TINY_TRAIN, "lr": 1e4, "warmup": 0, "checkpoint_every": 2, "max_steps": 8}
     with pytest.raises(TrainingError, match=r"training diverged at step \d+: validation (loss|NLL)") as err:
-        train(tiny_base, tiny_rendered, tmp_path / "run", settings)
+        train(tiny_base, tiny_rendered, tmp_path / "run", train_settings(settings))
     work = tmp_path / "run.partial"
     assert not (tmp_path / "run").exists() and work.exists()
     step = int(str(err.value).split("at step ")[1].split(":")[0])
     index = read_index(work)
     assert all(int(k) < step for k in index["checkpoints"]) and all(k < step for k in kept_steps(work))
-    train(tiny_base, tiny_rendered, tmp_path / "off", {**settings, "divergence_ratio": 0})
+    train(tiny_base, tiny_rendered, tmp_path / "off", train_settings({**settings, "divergence_ratio": 0}))
     final = read_index(tmp_path / "off")
     assert final["checkpoints"][str(final["final_step"])]["validation"]["nll"] > 0.98 * np.log(512)  # uniform
 
@@ -165,9 +167,9 @@ def test_second_trainer_on_the_same_folder_is_refused(tiny_base, tiny_rendered, 
         held.write("4242\n")
         held.flush()
         with pytest.raises(TrainingError, match="another orpo train is writing it .*pid 4242"):
-            train(tiny_base, tiny_rendered, out, TINY_TRAIN)
+            train(tiny_base, tiny_rendered, out, train_settings(TINY_TRAIN))
     assert not (tmp_path / "run.partial").exists()
-    train(tiny_base, tiny_rendered, out, {**TINY_TRAIN, "max_steps": 2, "checkpoint_every": 0})
+    train(tiny_base, tiny_rendered, out, train_settings({**TINY_TRAIN, "max_steps": 2, "checkpoint_every": 0}))
     assert (out / "complete.json").is_file() and not (tmp_path / "run.lock").exists()
 
 
@@ -180,7 +182,7 @@ def test_pairs_with_nothing_to_prefer_are_refused(tiny_base, tiny_rendered, tmp_
         df.with_columns(rejected_ids=pl.col("chosen_ids"), rejected_mask=pl.col("chosen_mask")).write_parquet(
             same / f"{split}.parquet")
     with pytest.raises(TrainingError, match="every pair's chosen and rejected tokens are identical"):
-        train(tiny_base, same, tmp_path / "run", TINY_TRAIN)
+        train(tiny_base, same, tmp_path / "run", train_settings(TINY_TRAIN))
 
 
 def test_replay_refuses_an_incomplete_run_folder(run, tiny_base, tiny_rendered, tmp_path):
@@ -222,7 +224,7 @@ SINK = {
 @pytest.fixture(scope="module")
 def sink(run, tiny_base, tiny_rendered, tmp_path_factory):
     out = tmp_path_factory.mktemp("sink") / "run"
-    train(tiny_base, tiny_rendered, out, {**SINK, "init_adapter": str(run)})
+    train(tiny_base, tiny_rendered, out, train_settings({**SINK, "init_adapter": str(run)}))
     return out
 
 
@@ -255,7 +257,7 @@ def test_resume_is_bit_identical_with_every_knob_on(sink, tiny_base, tiny_render
     del index["checkpoints"]["8"]
     (work / "index.json").write_text(json.dumps(index))
     (work / "adapters.safetensors").unlink()
-    train(tiny_base, tiny_rendered, out, json.loads((sink / "settings.json").read_text())["settings"])
+    train(tiny_base, tiny_rendered, out, train_settings(json.loads((sink / "settings.json").read_text())["settings"]))
     assert '{"resumed_from_step": 6}' in capsys.readouterr().err
     assert sha256_file(out / "adapters.safetensors") == sha256_file(sink / "adapters.safetensors")
     assert read_index(out)["checkpoints"] == read_index(sink)["checkpoints"]
@@ -266,11 +268,12 @@ def test_resume_is_bit_identical_with_every_knob_on(sink, tiny_base, tiny_render
 def test_every_setting_reaches_settings_json_and_adapter_config(sink, run):
     record = json.loads((sink / "settings.json").read_text())
     config = json.loads((sink / "adapter_config.json").read_text())
-    s = record["settings"]
-    assert set(DEFAULTS) <= set(s) and set(DEFAULTS["lora"]) <= set(s["lora"])
-    assert config["orpo_train"] == s
+    s, defaults = record["settings"], section_defaults("train")
+    assert set(defaults) == set(s) and set(defaults["lora"]) == set(s["lora"])
+    assert config["orpo_train"] == record["resolved"]["settings"]  # what the run used, every auto decided
+    assert s["engine"]["compile"] == "auto" and record["resolved"]["settings"]["engine"]["compile"] in (True, False)
     for key, value in SINK.items():
-        assert s[key] == ({**DEFAULTS["lora"], **value} if key == "lora" else value), key
+        assert s[key] == ({**defaults["lora"], **value} if key == "lora" else value), key
     assert config["lora_parameters"] == {"rank": 4, "scale": 2.0, "dropout": 0.1,
                                          "keys": config["lora_parameters"]["keys"]}
     assert config["fine_tune_type"] == "lora" and config["num_layers"] == 2

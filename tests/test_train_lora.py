@@ -12,6 +12,7 @@ from orpo.train.data import pair_batch
 from orpo.train.keys import derive_key, keyed_dropout
 from orpo.train.lora import AdapterMismatch, adapter_weights
 from orpo.train.session import build_session
+from orpo.train.settings import train_settings
 from orpo.train.step import naive_pair_loss as pair_loss
 
 SETTINGS = {"batch_size": 2, "max_steps": 4, "lr": 0.003, "lora": {"rank": 4, "alpha": 8, "dropout": 0.5}}
@@ -65,7 +66,7 @@ def test_keyed_dropout_is_inverted_dropout_with_the_keys_mask():
 
 
 def test_dropout_mask_depends_only_on_seed_step_micro_batch(tiny_base, tiny_rendered):
-    sess = build_session(tiny_base, tiny_rendered, SETTINGS)
+    sess = build_session(tiny_base, tiny_rendered, train_settings(SETTINGS))
     randomize_b(sess.model)
     vg = nn.value_and_grad(sess.model, pair_loss)
     loss, g = grads_at(sess, vg, 3)
@@ -75,11 +76,11 @@ def test_dropout_mask_depends_only_on_seed_step_micro_batch(tiny_base, tiny_rend
     assert grads_at(sess, vg, 4)[0] != loss
     assert grads_at(sess, vg, 3, micro=1)[0] != loss
     # A fresh session (a replay) draws the same masks.
-    other = build_session(tiny_base, tiny_rendered, SETTINGS)
+    other = build_session(tiny_base, tiny_rendered, train_settings(SETTINGS))
     randomize_b(other.model)
     assert grads_at(other, nn.value_and_grad(other.model, pair_loss), 3)[0] == loss
     # Eval mode: no dropout, the same loss as a dropout-free adapter.
-    plain = build_session(tiny_base, tiny_rendered, {**SETTINGS, "lora": {**SETTINGS["lora"], "dropout": 0.0}})
+    plain = build_session(tiny_base, tiny_rendered, train_settings({**SETTINGS, "lora": {**SETTINGS["lora"], "dropout": 0.0}}))
     randomize_b(plain.model)
     tokens, mask = pair_batch(sess.train, sess.schedule[0])
     sess.model.eval()
@@ -88,7 +89,7 @@ def test_dropout_mask_depends_only_on_seed_step_micro_batch(tiny_base, tiny_rend
 
 def test_recompute_under_checkpoint_sees_the_same_mask(tiny_base, tiny_rendered, monkeypatch):
     """Gradients with every block recomputed in the backward equal the plain ones; stock dropout's do not."""
-    sess = build_session(tiny_base, tiny_rendered, SETTINGS)
+    sess = build_session(tiny_base, tiny_rendered, train_settings(SETTINGS))
     randomize_b(sess.model)
     vg = nn.value_and_grad(sess.model, pair_loss)
     loss, plain = grads_at(sess, vg, 2)
@@ -120,15 +121,15 @@ def test_recompute_under_checkpoint_sees_the_same_mask(tiny_base, tiny_rendered,
 
 def test_lora_plus_scales_the_b_update_only(tiny_base, tiny_rendered, tmp_path):
     """First AdamW step from a warm start (A gets gradient): dA is the same, dB is plus_ratio times larger."""
-    base = build_session(tiny_base, tiny_rendered, {**SETTINGS, "lora": {"rank": 4, "alpha": 8}})
+    base = build_session(tiny_base, tiny_rendered, train_settings({**SETTINGS, "lora": {"rank": 4, "alpha": 8}}))
     randomize_b(base.model, seed=1)
     from orpo.train.lora import save_adapter
 
     save_adapter(base.model, base.adapter_config, tmp_path)
     deltas = {}
     for ratio in (1.0, 4.0):
-        s = build_session(tiny_base, tiny_rendered, {**SETTINGS, "weight_decay": 0.0, "init_adapter": str(tmp_path),
-                                                     "lora": {"rank": 4, "alpha": 8, "plus_ratio": ratio}})
+        s = build_session(tiny_base, tiny_rendered, train_settings({**SETTINGS, "weight_decay": 0.0, "init_adapter": str(tmp_path),
+                                                     "lora": {"rank": 4, "alpha": 8, "plus_ratio": ratio}}))
         before = flat(s.model.trainable_parameters())
         s.step(1)
         after = flat(s.model.trainable_parameters())
@@ -144,23 +145,23 @@ def test_lora_plus_scales_the_b_update_only(tiny_base, tiny_rendered, tmp_path):
 
 
 def test_warm_start_checks_the_adapter_config(tiny_base, tiny_rendered, tmp_path):
-    src = build_session(tiny_base, tiny_rendered, {**SETTINGS, "lora": {"rank": 4, "alpha": 8}})
+    src = build_session(tiny_base, tiny_rendered, train_settings({**SETTINGS, "lora": {"rank": 4, "alpha": 8}}))
     randomize_b(src.model, seed=2)
     from orpo.train.lora import save_adapter
 
     save_adapter(src.model, src.adapter_config, tmp_path)
-    warm = build_session(tiny_base, tiny_rendered, {**SETTINGS, "init_adapter": str(tmp_path),
-                                                    "lora": {"rank": 4, "alpha": 8, "dropout": 0.1}})
+    warm = build_session(tiny_base, tiny_rendered, train_settings({**SETTINGS, "init_adapter": str(tmp_path),
+                                                    "lora": {"rank": 4, "alpha": 8, "dropout": 0.1}}))
     theirs, ours = flat(src.model.trainable_parameters()), flat(warm.model.trainable_parameters())
     assert all(np.array_equal(theirs[k], ours[k]) for k in theirs)
     assert warm.init_adapter["sha256"] and int(warm.opt.state["step"]) == 0  # optimizer restarts
 
     with pytest.raises(AdapterMismatch, match=r"rank 4 != this run's 8 \(set lora.rank"):
-        build_session(tiny_base, tiny_rendered, {**SETTINGS, "init_adapter": str(tmp_path), "lora": {"rank": 8, "alpha": 16}})
+        build_session(tiny_base, tiny_rendered, train_settings({**SETTINGS, "init_adapter": str(tmp_path), "lora": {"rank": 8, "alpha": 16}}))
     with pytest.raises(AdapterMismatch, match=r"keys .*\(set lora.target_modules"):
-        build_session(tiny_base, tiny_rendered, {**SETTINGS, "init_adapter": str(tmp_path),
-                                                 "lora": {"rank": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]}})
+        build_session(tiny_base, tiny_rendered, train_settings({**SETTINGS, "init_adapter": str(tmp_path),
+                                                 "lora": {"rank": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]}}))
     with pytest.raises(AdapterMismatch, match="scale 2.0 != this run's 4.0"):
-        build_session(tiny_base, tiny_rendered, {**SETTINGS, "init_adapter": str(tmp_path), "lora": {"rank": 4, "alpha": 16}})
+        build_session(tiny_base, tiny_rendered, train_settings({**SETTINGS, "init_adapter": str(tmp_path), "lora": {"rank": 4, "alpha": 16}}))
     with pytest.raises(AdapterMismatch, match="no adapters.safetensors"):
-        build_session(tiny_base, tiny_rendered, {**SETTINGS, "init_adapter": str(tmp_path / "nope")})
+        build_session(tiny_base, tiny_rendered, train_settings({**SETTINGS, "init_adapter": str(tmp_path / "nope")}))

@@ -14,6 +14,7 @@ from orpo.train.accumulate import accumulate_grads
 from orpo.train.data import pair_batch
 from orpo.train.lora import adapter_weights
 from orpo.train.session import build_session
+from orpo.train.settings import train_settings
 from orpo.train.step import naive_pair_loss
 from orpo.train.trainer import train
 
@@ -32,7 +33,7 @@ def naive_value_and_grad(sess):
 
 
 def test_accumulated_gradient_equals_the_full_batch_gradient(tiny_base, tiny_rendered):
-    sess = build_session(tiny_base, tiny_rendered, {"batch_size": 2, "grad_accum": 4, "max_steps": 2, "lora": LORA})
+    sess = build_session(tiny_base, tiny_rendered, train_settings({"batch_size": 2, "grad_accum": 4, "max_steps": 2, "lora": LORA}))
     # Non-zero B, so A gets gradient too (at B = 0 its gradient is exactly 0 on both paths).
     rng = np.random.default_rng(0)
     sess.model.load_weights([(k, mx.array(rng.normal(scale=0.05, size=v.shape).astype(np.float32)))
@@ -62,8 +63,8 @@ def test_accumulated_gradient_equals_the_full_batch_gradient(tiny_base, tiny_ren
 
 def test_peak_memory_is_flat_in_the_number_of_micro_batches(tiny_base, tiny_rendered):
     settings = {"batch_size": 4, "max_steps": 2, "lora": LORA}
-    four = build_session(tiny_base, tiny_rendered, {**settings, "grad_accum": 4})
-    one = build_session(tiny_base, tiny_rendered, settings)
+    four = build_session(tiny_base, tiny_rendered, train_settings({**settings, "grad_accum": 4}))
+    one = build_session(tiny_base, tiny_rendered, train_settings(settings))
     one.schedule = four.micro_batches(1)  # the same micro-batches, one optimizer step each
 
     def peak(run) -> int:
@@ -118,7 +119,7 @@ def test_active_memory_does_not_drift(micro_llama, tmp_path):
     base, rendered = micro_llama
     settings = {"batch_size": 1, "epochs": 15, "checkpoint_every": 0, "log_every": 1000, "lr": 0.003,
                 "lora": {**LORA, "dropout": 0.1, "plus_ratio": 4.0}}
-    train(base, rendered, tmp_path / "run", settings)
+    train(base, rendered, tmp_path / "run", train_settings(settings))
     lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     active = np.array([x["active_memory_mb"] for x in lines if x["split"] == "train"])
     assert len(active) == 240
@@ -159,7 +160,7 @@ def test_cache_stays_bounded_over_variable_length_steps(wide_llama, tmp_path):
     settings = {"batch_size": 2, "epochs": 1, "checkpoint_every": 0, "log_every": 1000, "lora": LORA}
     held, record = {}, {}
     for name, limit in (("auto", "auto"), ("unbounded", mx.get_memory_limit() / 1e9)):
-        train(wide_llama, rendered, tmp_path / name, {**settings, "engine": {"cache_limit_gb": limit}})
+        train(wide_llama, rendered, tmp_path / name, train_settings({**settings, "engine": {"cache_limit_gb": limit}}))
         lines = [json.loads(x) for x in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
         lines = [x for x in lines if x["split"] == "train"]
         assert len(lines) == 300

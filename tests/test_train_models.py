@@ -15,6 +15,7 @@ from orpo.engine.head import mean_logps_from_logits, response_mean_logps
 from orpo.train.data import load_pairs, pair_batch
 from orpo.train.lora import LoRALinear, load_adapter_weights
 from orpo.train.session import build_session
+from orpo.train.settings import train_settings
 from orpo.train.trainer import replay, train
 
 from conftest import save_model_folder, shortest_pairs
@@ -58,7 +59,7 @@ def build_family(family: str, tokenizer_from: Path, out: Path, **overrides) -> P
 def assert_mlx_lm_matches_ours(base: Path, run: Path, rendered: Path) -> None:
     """mlx-lm with the run's adapter gives our eval-mode logits, and they differ from the base's."""
     settings = json.loads((run / "settings.json").read_text())["settings"]
-    sess = build_session(base, rendered, settings)
+    sess = build_session(base, rendered, train_settings(settings))
     load_adapter_weights(sess.model, run)
     sess.model.eval()
     pairs = load_pairs(rendered / "validation.parquet")
@@ -76,7 +77,7 @@ def test_family_trains_replays_and_loads_in_mlx_lm(family, tiny_base, short_rend
     pairs = load_pairs(short_rendered / "train.parquet")
     assert max(max(p + c + r) for p, c, r in zip(pairs.prompt, pairs.chosen, pairs.rejected)) < COMMON["vocab_size"]
     run = tmp_path / "run"
-    index = train(base, short_rendered, run, SETTINGS)
+    index = train(base, short_rendered, run, train_settings(SETTINGS))
     assert index["final_step"] == 3
     losses = [json.loads(x)["loss"] for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert all(np.isfinite(losses))
@@ -103,9 +104,9 @@ def test_qlora_trains_on_a_4bit_base(tiny_base, short_rendered, tmp_path):
     model, config = quantize_model(model, config, group_size=32, bits=4)
     base = save_model_folder(model, config, tiny_base, tmp_path / "q4")
     run = tmp_path / "run"
-    train(base, short_rendered, run, SETTINGS)
+    train(base, short_rendered, run, train_settings(SETTINGS))
 
-    sess = build_session(base, short_rendered, SETTINGS)
+    sess = build_session(base, short_rendered, train_settings(SETTINGS))
     loras = [m for _, m in sess.model.named_modules() if isinstance(m, LoRALinear)]
     assert loras and all(isinstance(m.linear, nn.QuantizedLinear) and m.linear.bits == 4 for m in loras)
     names = {k.rsplit(".", 1)[-1] for k, _ in tree_flatten(sess.model.trainable_parameters())}

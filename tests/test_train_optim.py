@@ -8,6 +8,7 @@ from mlx.utils import tree_flatten
 
 from orpo.optim import lr_schedule
 from orpo.train.session import build_session
+from orpo.train.settings import train_settings
 from orpo.train.step import batch_value_and_grad
 
 SETTINGS = {"batch_size": 2, "max_steps": 6, "lr": 0.003, "weight_decay": 0.1, "grad_clip": 0.05,
@@ -22,7 +23,7 @@ def flat(tree) -> dict[str, np.ndarray]:
 @pytest.mark.parametrize("plus_ratio", [1.0, 4.0])
 def test_flat_adamw_is_mlx_adamw_with_clipping(tiny_base, tiny_rendered, plus_ratio):
     """Six steps of real gradients (clipped: the tiny max norm binds), compiled flat update vs per-matrix mlx."""
-    sess = build_session(tiny_base, tiny_rendered, {**SETTINGS, "lora": {**SETTINGS["lora"], "plus_ratio": plus_ratio}})
+    sess = build_session(tiny_base, tiny_rendered, train_settings({**SETTINGS, "lora": {**SETTINGS["lora"], "plus_ratio": plus_ratio}}))
     total = len(sess.schedule)
     rate = lambda r: lr_schedule("cosine", r, total, 0)  # noqa: E731
     a, b = optim.AdamW(rate(0.003), weight_decay=0.1), optim.AdamW(rate(0.003 * plus_ratio), weight_decay=0.1)
@@ -32,7 +33,7 @@ def test_flat_adamw_is_mlx_adamw_with_clipping(tiny_base, tiny_rendered, plus_ra
     clipped = 0
     for step in range(1, total + 1):
         batch = sess.prepare(step)[0]
-        (_, _), grads = batch_value_and_grad(sess.model, batch, sess.s["lambda"], sess.engine)
+        (_, _), grads = batch_value_and_grad(sess.model, batch, sess.s.lambda_, sess.engine)
         mx.eval(grads)
         g_ref, norm_ref = optim.clip_grad_norm(grads, SETTINGS["grad_clip"])
         weights = reference.apply_gradients(g_ref, weights)
@@ -56,7 +57,7 @@ def test_flat_adamw_is_mlx_adamw_with_clipping(tiny_base, tiny_rendered, plus_ra
 
 def test_update_is_compiled_once_and_restored_weights_are_adopted(tiny_base, tiny_rendered):
     """Steps reuse one compiled update; a restore's weights and moments are taken over and compiled anew."""
-    sess = build_session(tiny_base, tiny_rendered, SETTINGS)
+    sess = build_session(tiny_base, tiny_rendered, train_settings(SETTINGS))
     sess.step(1)
     first = sess._update[1]
     sess.step(2)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Mapping
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -18,13 +20,31 @@ from mlx_lm.models import llama
 from mlx_lm.utils import save_config, save_model
 
 from orpo.base.tokenizer import CHAT_TEMPLATE, EOS_TOKEN, save_tokenizer, train_bpe
-from orpo.config import section_defaults
 from orpo.folders import mark_complete
 from orpo.io import InputError, atomic_path, write_json
 from orpo.rows import iter_items
 from orpo.optim import lr_schedule, warmup_steps_for
+from orpo.settings import as_dict, typed
 
-DEFAULTS: dict[str, Any] = section_defaults("base")
+
+@dataclass(frozen=True)
+class BaseSettings:
+    """The `base` section: the embedded model's shape and warm-up (the schema describes each key)."""
+
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    intermediate_size: int
+    max_length: int
+    context_length: int
+    steps: int
+    batch_size: int
+    lr: float
+    warmup: float
+    weight_decay: float
+    seed: int
+    log_every: int
 
 
 def read_conversations(raw: str | Path, on_error: str = "raise") -> tuple[list[tuple[str, list[str]]], int]:
@@ -104,19 +124,19 @@ def _template() -> jinja2.Template:
     return _TEMPLATE
 
 
-def model_args(s: dict[str, Any], vocab_size: int, eos_id: int) -> dict[str, Any]:
+def model_args(s: BaseSettings, vocab_size: int, eos_id: int) -> dict[str, Any]:
     """The HF-style config.json of the tiny llama."""
     return {
         "model_type": "llama",
         "architectures": ["LlamaForCausalLM"],
-        "hidden_size": s["hidden_size"],
-        "num_hidden_layers": s["num_layers"],
-        "intermediate_size": s["intermediate_size"],
-        "num_attention_heads": s["num_heads"],
-        "num_key_value_heads": s["num_heads"],
+        "hidden_size": s.hidden_size,
+        "num_hidden_layers": s.num_layers,
+        "intermediate_size": s.intermediate_size,
+        "num_attention_heads": s.num_heads,
+        "num_key_value_heads": s.num_heads,
         "rms_norm_eps": 1e-5,
         "vocab_size": vocab_size,
-        "max_position_embeddings": s["context_length"],
+        "max_position_embeddings": s.context_length,
         "rope_theta": 10000.0,
         "tie_word_embeddings": True,
         "torch_dtype": "float32",
@@ -156,33 +176,33 @@ def lm_loss(model: nn.Module, chunk: mx.array) -> mx.array:
     return nn.losses.cross_entropy(logits, chunk[:, 1:]).mean()
 
 
-def packed_chunks(encoded: list[list[list[int]]], s: dict[str, Any]) -> np.ndarray:
+def packed_chunks(encoded: list[list[list[int]]], s: BaseSettings) -> np.ndarray:
     """[steps, batch, max_length+1] token chunks: per epoch one random completion per row, rows shuffled,
     concatenated and cut into fixed lengths (the standard pretraining packing: no compute on padding,
     every batch as diverse as the data, one shape so the step compiles once)."""
-    rng = np.random.default_rng(s["seed"])
-    width, need = s["max_length"] + 1, s["steps"] * s["batch_size"]
+    rng = np.random.default_rng(s.seed)
+    width, need = s.max_length + 1, s.steps * s.batch_size
     chunks: list[np.ndarray] = []
     while len(chunks) < need:
         order = rng.permutation(len(encoded))
         stream = np.fromiter((t for i in order for t in encoded[i][rng.integers(0, len(encoded[i]))]), np.int32)
         chunks += list(stream[: len(stream) // width * width].reshape(-1, width))
-    return np.stack(chunks[:need]).reshape(s["steps"], s["batch_size"], width)
+    return np.stack(chunks[:need]).reshape(s.steps, s.batch_size, width)
 
 
-def build_base(raw_path: str | Path, out_dir: str | Path, settings: dict[str, Any],
+def build_base(raw_path: str | Path, out_dir: str | Path, settings: BaseSettings | Mapping[str, Any],
                on_error: str = "raise") -> dict[str, Any]:
     """Write an HF-style model folder (config, weights, tokenizer with chat template) warmed up on raw rows.
 
     The folder replaces `out_dir` only when complete (orpo.folders): a failed rebuild keeps the model there.
     """
-    s = {**DEFAULTS, **settings}
+    s = typed(BaseSettings, "base", settings)
     convs, skipped = read_conversations(raw_path, on_error)
     texts = [render_chat(ins, r) for ins, rs in convs for r in rs]
-    tok = train_bpe(texts, s["vocab_size"])
+    tok = train_bpe(texts, s.vocab_size)
     eos_id = tok.token_to_id(EOS_TOKEN)
 
-    mx.random.seed(s["seed"])
+    mx.random.seed(s.seed)
     config = model_args(s, tok.get_vocab_size(), eos_id)
     model = llama.Model(llama.ModelArgs.from_dict(config))
     embed = DeterministicEmbedding(*model.model.embed_tokens.weight.shape)
@@ -196,9 +216,9 @@ def build_base(raw_path: str | Path, out_dir: str | Path, settings: dict[str, An
     encoded = [[e.ids for e in tok.encode_batch([render_chat(ins, r) for r in rs], add_special_tokens=False)]
                for ins, rs in convs]
     batches = packed_chunks(encoded, s)
-    steps = s["steps"]
-    lr = lr_schedule("cosine", s["lr"], steps, warmup_steps_for(steps, s["warmup"]))
-    opt = optim.AdamW(learning_rate=lr, weight_decay=s["weight_decay"])
+    steps = s.steps
+    lr = lr_schedule("cosine", s.lr, steps, warmup_steps_for(steps, s.warmup))
+    opt = optim.AdamW(learning_rate=lr, weight_decay=s.weight_decay)
     loss_and_grad = nn.value_and_grad(model, lm_loss)
     state = [model.state, opt.state]
 
@@ -213,7 +233,7 @@ def build_base(raw_path: str | Path, out_dir: str | Path, settings: dict[str, An
     for step in range(1, steps + 1):
         loss = train_step(mx.array(batches[step - 1]))
         mx.eval(loss, state)
-        if step % s["log_every"] == 0 or step == steps:
+        if step % s.log_every == 0 or step == steps:
             tokens_seen = step * batches[0].size
             rec = {"step": step, "loss": round(loss.item(), 4), "tokens": tokens_seen,
                    "tokens_per_s": round(tokens_seen / (time.time() - t0), 1)}
@@ -224,13 +244,13 @@ def build_base(raw_path: str | Path, out_dir: str | Path, settings: dict[str, An
     manifest = {
         "rows": len(convs), "malformed_skipped": skipped, "texts": len(texts), "vocab_size": tok.get_vocab_size(),
         "parameters": int(n_params), "steps": steps, "tokens_seen": tokens_seen,
-        "final_loss": log[-1]["loss"], "seconds": round(time.time() - t0, 1), "settings": s,
+        "final_loss": log[-1]["loss"], "seconds": round(time.time() - t0, 1), "settings": as_dict(s),
     }
     with atomic_path(out_dir) as tmp:
         tmp.mkdir()
         save_model(tmp, model)
         save_config(dict(config), tmp / "config.json")
-        save_tokenizer(tok, tmp, s["max_length"])
+        save_tokenizer(tok, tmp, s.max_length)
         (tmp / "generation_config.json").write_text(json.dumps({"eos_token_id": eos_id}) + "\n")
         write_json(tmp / "warmup_log.json", log)
         write_json(tmp / "manifest.json", manifest)

@@ -19,10 +19,11 @@ from orpo.curate.drops import Drops
 from orpo.rows import Item, describe, iter_items
 from orpo.curate.recipes import RECIPES
 from orpo.curate.schema import FieldError, Pair, detect_form, parse_binarized, parse_raw
-from orpo.curate.settings import resolve_settings
+from orpo.curate.settings import CurateSettings, resolve_settings
 from orpo.curate.tokens import TokenCounter
 from orpo.curate.write import split, write_pairs
 from orpo.io import InputError
+from orpo.settings import as_dict
 
 
 def _parse(item: Item, recipe: str) -> tuple[str, Any]:
@@ -35,7 +36,7 @@ def _parse(item: Item, recipe: str) -> tuple[str, Any]:
     return form, parse_binarized(item.row, item.input_name)
 
 
-def _length_filter(pairs: list[Pair], counter: TokenCounter, s: dict, drops: Drops) -> list[Pair]:
+def _length_filter(pairs: list[Pair], counter: TokenCounter, s: CurateSettings, drops: Drops) -> list[Pair]:
     """Drop pairs whose prompt, or prompt + the longer response, exceeds the token limits."""
     texts: list[str] = []
     for p in pairs:
@@ -46,9 +47,9 @@ def _length_filter(pairs: list[Pair], counter: TokenCounter, s: dict, drops: Dro
     for p in pairs:
         prompt_tokens = sum(next(counts) for _ in p.prompt)
         chosen_tokens, rejected_tokens = next(counts), next(counts)
-        if prompt_tokens > s["max_prompt_tokens"]:
+        if prompt_tokens > s.max_prompt_tokens:
             drops.add("prompt_too_long", p.id)
-        elif prompt_tokens + max(chosen_tokens, rejected_tokens) > s["max_pair_tokens"]:
+        elif prompt_tokens + max(chosen_tokens, rejected_tokens) > s.max_pair_tokens:
             drops.add("pair_too_long", p.id)
         else:
             kept.append(p)
@@ -64,9 +65,9 @@ def _dedup(pairs: list[Pair], drops: Drops) -> list[Pair]:
     return [p for p, keep in zip(pairs, first) if keep]
 
 
-def _drops_truthfulqa_source(s: dict) -> bool:
+def _drops_truthfulqa_source(s: CurateSettings) -> bool:
     """argilla's cleaned recipe always drops source == truthful_qa; h4 only when asked (its later revision)."""
-    return s["drop_truthfulqa"] or s["recipe"] == "argilla_clean"
+    return s.drop_truthfulqa or s.recipe == "argilla_clean"
 
 
 def _decontaminate(pairs: list[Pair], decon: Decontaminator, drops: Drops) -> list[Pair]:
@@ -81,7 +82,7 @@ def _decontaminate(pairs: list[Pair], decon: Decontaminator, drops: Drops) -> li
 
 
 def _manifest(
-    s: dict,
+    s: CurateSettings,
     input_rows: int,
     n_train: int,
     n_val: int,
@@ -107,8 +108,8 @@ def _manifest(
         decontamination = {
             "applied": False,
             "reason": "no eval_prompts given",
-            "ngram": s["decontam_ngram"],
-            "threshold": s["decontam_threshold"],
+            "ngram": s.decontam_ngram,
+            "threshold": s.decontam_threshold,
             "dropped": 0,
         }
     return {
@@ -116,14 +117,14 @@ def _manifest(
         "input_rows": input_rows,
         "output_rows": {"train": n_train, "validation": n_val, "total": n_train + n_val},
         "dropped": drops.to_manifest(),
-        "recipe": s["recipe"],
-        "seed": s["seed"],
+        "recipe": s.recipe,
+        "seed": s.seed,
         "source": sources,
-        "settings": s,
+        "settings": as_dict(s),
         "forms": forms,
         "truthfulqa": {
             "drop_source": _drops_truthfulqa_source(s),
-            "questions": s["truthfulqa_questions"],
+            "questions": s.truthfulqa_questions,
             "question_count": len(questions) if questions is not None else 0,
             "question_filter": "applied" if questions is not None else "skipped: no truthfulqa_questions file given",
         },
@@ -135,7 +136,7 @@ def _manifest(
 def curate(
     inputs: list[str],
     out_dir: str,
-    settings: Mapping[str, Any] | None,
+    settings: CurateSettings | Mapping[str, Any] | None,
     tokenizer: str | None = None,
     eval_prompts: str | None = None,
 ) -> dict:
@@ -143,12 +144,12 @@ def curate(
     s = resolve_settings(settings)
     if not inputs:
         raise ValueError("curate: no inputs given")
-    recipe, seed = s["recipe"], s["seed"]
+    recipe, seed = s.recipe, s.seed
     drop_tqa_source = _drops_truthfulqa_source(s)
-    questions = filters.load_questions(s["truthfulqa_questions"]) if s["truthfulqa_questions"] else None
+    questions = filters.load_questions(s.truthfulqa_questions) if s.truthfulqa_questions else None
     counter = TokenCounter(tokenizer)
     decon = (
-        Decontaminator.from_file(eval_prompts, s["decontam_ngram"], s["decontam_threshold"]) if eval_prompts else None
+        Decontaminator.from_file(eval_prompts, s.decontam_ngram, s.decontam_threshold) if eval_prompts else None
     )
     sources = [describe(spec) for spec in inputs]  # fails on a missing input before any work
 
@@ -156,7 +157,7 @@ def curate(
     forms = {"raw": 0, "binarized": 0}
     input_rows = 0
     pairs: list[Pair] = []
-    for item in iter_items(list(inputs), s["on_error"]):
+    for item in iter_items(list(inputs), s.on_error):
         input_rows += 1
         if item.error is not None:
             drops.add("malformed", item.origin)
@@ -164,7 +165,7 @@ def curate(
         try:
             form, parsed = _parse(item, recipe)
         except FieldError as e:
-            if s["on_error"] == "raise":
+            if s.on_error == "raise":
                 raise item.located(e.field, e.message) from None
             drops.add("malformed", item.origin)
             continue
@@ -197,7 +198,7 @@ def curate(
     pairs = _dedup(pairs, drops)
     if decon is not None:
         pairs = _decontaminate(pairs, decon, drops)
-    train, val = split(pairs, seed, s["validation_fraction"])
+    train, val = split(pairs, seed, s.validation_fraction)
 
     manifest = _manifest(s, input_rows, len(train), len(val), drops, sources, forms, questions, counter, decon)
     report_drops("curate", input_rows, drops)

@@ -3,14 +3,29 @@
 from __future__ import annotations
 
 import sys
+from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from orpo.config import section_defaults
 from orpo.generation import generate_counted, load_generator
 from orpo.io import InputError, read_jsonl, write_jsonl
+from orpo.settings import as_dict, typed
 
-DEFAULTS: dict[str, Any] = section_defaults("generate")
+
+@dataclass(frozen=True)
+class GenerateSettings:
+    """The `generate` section (the schema describes each key)."""
+
+    adapter: str | int
+    max_tokens: int
+    batch_size: int
+    temperature: float
+    top_p: float
+    seed: int
+    stop: tuple[str, ...]
+
+
 MAX_EXAMPLES = 5  # prompts named per warning line and per count in the stats
 
 
@@ -53,7 +68,7 @@ def _named(key: Any, lineno: int, tokens: int, budget: int | None = None) -> str
 
 
 def generate(
-    model: str | Path, prompts_path: str | Path, out_path: str | Path, settings: dict[str, Any],
+    model: str | Path, prompts_path: str | Path, out_path: str | Path, settings: GenerateSettings | Mapping[str, Any],
     adapter: str | Path | None = None, label: str = "model", render: dict[str, Any] | None = None,
     limit: int = 0,
 ) -> dict[str, Any]:
@@ -64,15 +79,15 @@ def generate(
     prompt that leaves less room than `max_tokens` generates what fits. Both are counted in the returned
     stats and named in a warning on stderr; when no prompt fits, nothing is written and the stage fails.
     """
-    s = {**DEFAULTS, **settings}
+    s = typed(GenerateSettings, "generate", settings)
     name = f"generate[{label}]"
     located = read_prompt_lines(prompts_path, limit)
     gen = load_generator(model, adapter, render)
     ids = [gen.prompt_ids([{"role": "user", "content": p["prompt"]}]) for _, p in located]
-    budgets = [gen.budget(len(x), s["max_tokens"]) for x in ids]
+    budgets = [gen.budget(len(x), s.max_tokens) for x in ids]
     too_long = [i for i, x in enumerate(ids) if gen.context is not None and len(x) >= gen.context]
     skipped = set(too_long)
-    cut = [i for i, b in enumerate(budgets) if i not in skipped and b < s["max_tokens"]]
+    cut = [i for i, b in enumerate(budgets) if i not in skipped and b < s.max_tokens]
     where = f"{gen.context} positions, {gen.context_source}"
 
     def named(idx: list[int], show_budget: bool = False) -> list[str]:
@@ -92,12 +107,12 @@ def generate(
               f"not generated (empty response, scored as not followed): {listed(too_long)}", file=sys.stderr, flush=True)
 
     kept = [i for i in range(len(ids)) if i not in skipped]
-    texts, counts, stats = generate_counted(gen, [ids[i] for i in kept], s, label=name,
+    texts, counts, stats = generate_counted(gen, [ids[i] for i in kept], as_dict(s), label=name,
                                             budgets=[budgets[i] for i in kept])
     responses = dict(zip(kept, zip(texts, counts)))
     reached = [i for i in cut if responses[i][1] >= budgets[i]]
     if cut:
-        print(f"{name}: warning: {len(cut)} of {len(ids)} prompts leave less than max_tokens {s['max_tokens']} in "
+        print(f"{name}: warning: {len(cut)} of {len(ids)} prompts leave less than max_tokens {s.max_tokens} in "
               f"the model's context ({where}): generated up to what fits, {len(reached)} responses stopped there: "
               f"{listed(reached or cut, True)}", file=sys.stderr, flush=True)
 
@@ -108,7 +123,7 @@ def generate(
         text, count = responses.get(i, ("", 0))
         dropped = (f"prompt_too_long: {len(ids[i])} prompt tokens, the model's context is {where}"
                    if i in skipped else None)
-        return {"key": p.get("key"), "prompt": p["prompt"], "response": text, **provenance, "settings": s,
+        return {"key": p.get("key"), "prompt": p["prompt"], "response": text, **provenance, "settings": as_dict(s),
                 "prompt_tokens": len(ids[i]), "max_tokens": 0 if dropped else budgets[i], "generated_tokens": count,
                 "dropped": dropped}
 

@@ -24,7 +24,8 @@ from orpo.render.template import resolve_model_dir
 from orpo.spin.drops import Drops
 from orpo.spin.schema import FORMS, parse_sft
 from orpo.spin.selection import dedup, length_filter, seeded_subset
-from orpo.spin.settings import GENERATION_KEYS, resolve_settings
+from orpo.settings import as_dict
+from orpo.spin.settings import GENERATION_KEYS, SpinSettings, resolve_settings
 
 
 def read_sft(inputs: list[str], on_error: str, drops: Drops) -> tuple[int, list[Pair], dict[str, int]]:
@@ -86,7 +87,7 @@ def spin_pairs(
     model: str | Path,
     adapter: str | Path | None,
     out_dir: str | Path,
-    settings: Mapping[str, Any] | None,
+    settings: SpinSettings | Mapping[str, Any] | None,
     iteration: int,
     render: Mapping[str, Any] | None = None,
 ) -> dict:
@@ -108,21 +109,21 @@ def spin_pairs(
     sources = [describe(spec) for spec in sft_inputs]  # fails on a missing input before any work
 
     drops = Drops()
-    input_rows, rows, forms = read_sft(sft_inputs, s["on_error"], drops)
+    input_rows, rows, forms = read_sft(sft_inputs, s.on_error, drops)
     gen = load_generator(model, adapter, dict(render or {}))
     # Token counts only where a limit asks for them; ids are rebuilt for the rows kept (a large SFT set's ids
     # would not fit in memory as Python lists).
-    prompt_lens = [len(prompt_ids(gen, r)) for r in rows] if s["max_prompt_tokens"] else None
-    counter = TokenCounter(str(resolve_model_dir(model) / "tokenizer.json")) if s["max_answer_tokens"] else None
+    prompt_lens = [len(prompt_ids(gen, r)) for r in rows] if s.max_prompt_tokens else None
+    counter = TokenCounter(str(resolve_model_dir(model) / "tokenizer.json")) if s.max_answer_tokens else None
     answer_lens = counter.count([r.chosen for r in rows]) if counter else None
-    rows = length_filter(rows, prompt_lens, answer_lens, s["max_prompt_tokens"], s["max_answer_tokens"], drops)
-    rows = seeded_subset(dedup(rows, drops), s["limit"], s["seed"], drops)
+    rows = length_filter(rows, prompt_lens, answer_lens, s.max_prompt_tokens, s.max_answer_tokens, drops)
+    rows = seeded_subset(dedup(rows, drops), s.limit, s.seed, drops)
 
-    gen_settings = {k: s[k] for k in GENERATION_KEYS}
+    gen_settings = {k: getattr(s, k) for k in GENERATION_KEYS}
     texts, stats = generate_batched(
         gen, [prompt_ids(gen, r) for r in rows], gen_settings, label=f"spin[iteration {iteration}]")
     print(f"spin[iteration {iteration}]: {stats}", file=sys.stderr, flush=True)
-    train, val = split(_pairs(rows, texts, drops), s["seed"], s["validation_fraction"])
+    train, val = split(_pairs(rows, texts, drops), s.seed, s.validation_fraction)
 
     manifest = {
         "stage": "spin",
@@ -138,7 +139,7 @@ def spin_pairs(
             "prompt": "generation prompt ids (chat template)" if prompt_lens is not None else "not counted (no limit)",
             "answer": counter.describe() if counter else "not counted (no limit)",
         },
-        "settings": s,
+        "settings": as_dict(s),
     }
     if not train:
         # Fail here, naming why, rather than in train ("0 rows"); e.g. a collapsed generator gives only blanks.

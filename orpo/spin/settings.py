@@ -1,42 +1,36 @@
-"""The spin stage's settings: defaults, types and checks."""
+"""The spin stage's settings (config section `spin`, less the keys that shape the DAG), typed."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
-from orpo.config import section_defaults
-from orpo.curate.settings import is_int, is_number, overlay
+from orpo.config import SPIN_DAG_KEYS, section_defaults
+from orpo.settings import typed
 
 # The schema is the single source of defaults; iterations, sft and adapter shape the DAG, not the core.
-DAG_KEYS = ("iterations", "sft", "adapter")
+DAG_KEYS = SPIN_DAG_KEYS
 DEFAULTS: dict[str, Any] = {k: v for k, v in section_defaults("spin").items() if k not in DAG_KEYS}
 GENERATION_KEYS = ("max_tokens", "batch_size", "temperature", "top_p", "seed")
 
 
-def resolve_settings(settings: Mapping[str, Any] | None) -> dict[str, Any]:
-    """Return the defaults overlaid with `settings`; unknown keys and bad values raise ValueError."""
-    s = overlay("spin", DEFAULTS, settings)
+@dataclass(frozen=True)
+class SpinSettings:
+    """The `spin` section less DAG_KEYS (the schema describes each key)."""
 
-    def bad(key: str, want: str) -> ValueError:
-        return ValueError(f"spin: setting '{key}' must be {want}, got {s[key]!r}")
+    max_tokens: int
+    batch_size: int
+    temperature: float
+    top_p: float
+    seed: int
+    limit: int
+    validation_fraction: float
+    on_error: str
+    max_prompt_tokens: int
+    max_answer_tokens: int
 
-    for key in ("max_tokens", "batch_size"):
-        if not is_int(s[key]) or s[key] < 1:
-            raise bad(key, "a positive integer")
-    for key in ("limit", "max_prompt_tokens", "max_answer_tokens"):
-        if not is_int(s[key]) or s[key] < 0:
-            raise bad(key, "an integer >= 0 (0 = off)")
-    if not is_int(s["seed"]):
-        raise bad("seed", "an integer")
-    if not is_number(s["temperature"]) or s["temperature"] < 0:
-        raise bad("temperature", "a number >= 0")
-    if not is_number(s["top_p"]) or not 0 < s["top_p"] <= 1:
-        raise bad("top_p", "a number in (0, 1]")
-    if not is_number(s["validation_fraction"]) or not 0 <= s["validation_fraction"] < 1:
-        raise bad("validation_fraction", "a number in [0, 1)")
-    if s["on_error"] not in ("raise", "skip"):
-        raise bad("on_error", "'raise' or 'skip'")
-    for key in ("temperature", "top_p", "validation_fraction"):
-        s[key] = float(s[key])
-    return s
+
+def resolve_settings(settings: SpinSettings | Mapping[str, Any] | None) -> SpinSettings:
+    """SpinSettings, built from a mapping as the command line builds them (checked, the schema's defaults)."""
+    return typed(SpinSettings, "spin", settings, drop=DAG_KEYS)

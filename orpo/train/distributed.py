@@ -18,6 +18,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from orpo.train.keys import DropoutKeys
+from orpo.train.settings import DistributedSettings
 
 # Set by the launchers (ours and mlx.launch for ring/nccl/jaccl; mpirun for MPI): this process is a rank.
 RANK_ENV = ("MLX_RANK", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK")
@@ -100,16 +101,16 @@ class Shard:
         self.broadcast_int(0)
 
 
-def join(dist: dict[str, Any]) -> Shard:
+def join(dist: DistributedSettings) -> Shard:
     """This process's Shard for the `train.distributed` settings: joins the group when processes > 1."""
-    n = int(dist.get("processes", 1))
+    n = dist.processes
     if n == 1:
         return Shard()
     if not is_launched_rank():
         raise ValueError(f"train.distributed.processes is {n}, but this process is not one of {n} launched ranks: "
                          "`orpo train` and `orpo replay` launch them (a distributed run also replays on "
                          f"{n} processes), or start it with mlx.launch")
-    backend = os.environ.get(BACKEND_ENV) or dist.get("backend", "any")
+    backend = os.environ.get(BACKEND_ENV) or dist.backend
     group = mx.distributed.init(strict=True, backend=backend)
     if group.size() != n:
         raise ValueError(f"train.distributed.processes is {n}, but {group.size()} ranks joined (backend {backend})")

@@ -20,18 +20,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-from orpo.config import section_defaults
 from orpo.train.distributed import BACKEND_ENV, is_launched_rank
+from orpo.train.settings import DistributedSettings
 
 
-def distributed_settings(train_settings: dict[str, Any]) -> dict[str, Any]:
-    """`train.distributed` with the schema's defaults filled in."""
-    return {**section_defaults("train")["distributed"], **train_settings.get("distributed", {})}
-
-
-def needs_launch(dist: dict[str, Any]) -> bool:
+def needs_launch(dist: DistributedSettings) -> bool:
     """True when the settings ask for several processes and this one is not already a rank."""
-    return int(dist["processes"]) > 1 and not is_launched_rank()
+    return dist.processes > 1 and not is_launched_rank()
 
 
 def resolve_backend(backend: str) -> str:
@@ -131,15 +126,15 @@ def launch_local(argv: list[str], n: int, backend: str) -> int:
         return wait_all(procs)
 
 
-def launch_hosts(argv: list[str], dist: dict[str, Any], backend: str, output: Path) -> int:
+def launch_hosts(argv: list[str], dist: DistributedSettings, backend: str, output: Path) -> int:
     """Run `orpo <argv>` through mlx.launch (a hostfile, or MPI/JACCL); success = `output` written after the start."""
-    n = int(dist["processes"])
+    n = dist.processes
     launcher = shutil.which("mlx.launch", path=str(Path(sys.executable).parent)) or shutil.which("mlx.launch")
     if launcher is None:
         raise ValueError("mlx.launch not found beside this Python or on PATH (needed for train.distributed.hostfile, mpi, jaccl)")
     args = [launcher, "--backend", backend, "--cwd", os.getcwd(), "--env", f"{BACKEND_ENV}={backend}"]
-    if dist.get("hostfile"):
-        hostfile = Path(dist["hostfile"])
+    if dist.hostfile:
+        hostfile = Path(dist.hostfile)
         try:
             data = json.loads(hostfile.read_text())
         except (OSError, ValueError) as e:
@@ -159,9 +154,9 @@ def launch_hosts(argv: list[str], dist: dict[str, Any], backend: str, output: Pa
     return 0 if output.exists() and output.stat().st_mtime >= started - 1 else 1
 
 
-def launch(argv: list[str], dist: dict[str, Any], output: Path) -> int:
+def launch(argv: list[str], dist: DistributedSettings, output: Path) -> int:
     """Start `orpo <argv>` as `train.distributed.processes` ranks; returns the exit code to leave with."""
-    backend = resolve_backend(dist["backend"])
-    if dist.get("hostfile") or backend in ("mpi", "jaccl"):
+    backend = resolve_backend(dist.backend)
+    if dist.hostfile or backend in ("mpi", "jaccl"):
         return launch_hosts(argv, dist, backend, output)
-    return launch_local(argv, int(dist["processes"]), backend)
+    return launch_local(argv, dist.processes, backend)

@@ -18,6 +18,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
 from orpo.train.keys import INIT, DropoutKeys, derive_key, keyed_dropout
+from orpo.train.settings import LoraSettings
 
 
 class AdapterMismatch(ValueError):
@@ -81,19 +82,19 @@ def _layer_count(num_layers: int, total: int) -> int:
     return total if num_layers <= 0 or num_layers > total else num_layers
 
 
-def apply_lora(model: nn.Module, settings: dict[str, Any], seed: int, keys: DropoutKeys | None = None) -> dict[str, Any]:
+def apply_lora(model: nn.Module, settings: LoraSettings, seed: int, keys: DropoutKeys | None = None) -> dict[str, Any]:
     """Freeze `model`, add LoRA layers (initialised from `seed`) and return the adapter_config.json dict.
 
     `keys` is the shared step/micro-batch pointer the layers' dropout keys come from (the trainer moves it).
     """
-    rank = int(settings["rank"])
-    scale = float(settings["alpha"]) / (rank ** 0.5 if settings.get("rslora") else rank)
-    if int(settings["num_layers"]) == 0:
+    rank = settings.rank
+    scale = settings.alpha / (rank ** 0.5 if settings.rslora else rank)
+    if settings.num_layers == 0:
         raise ValueError("lora.num_layers: 0 adapts no block (use -1 for all, or N > 0 for the last N)")
     total = len(model.layers)
-    num_layers = _layer_count(int(settings["num_layers"]), total)
-    dropout = float(settings["dropout"])
-    module_keys = block_keys(model, list(settings["target_modules"]))
+    num_layers = _layer_count(settings.num_layers, total)
+    dropout = settings.dropout
+    module_keys = block_keys(model, list(settings.target_modules))
     keys = keys if keys is not None else DropoutKeys(seed)
     model.freeze()
     for b in range(total - num_layers, total):

@@ -42,10 +42,7 @@ class CachePolicy:
 
     def __post_init__(self) -> None:
         if self.setting != "auto":
-            gb = float(self.setting)
-            if gb < 0:
-                raise ValueError(f"train.engine.cache_limit_gb: must be auto or >= 0 (got {self.setting})")
-            self._set(int(gb * GB), 0)
+            self._set(int(self.setting * GB), 0)
 
     def start(self) -> None:
         """Note what is resident before the first step; the run's peak counts from here. With auto, the first

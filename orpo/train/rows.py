@@ -27,9 +27,6 @@ from orpo.engine.attention import SplitRows
 from orpo.engine.stack import Layout
 from orpo.train.data import Pairs, pair_batch
 
-# How shared rows attend: split (aligned rows) or exclusion (tight rows); auto picks per micro-batch.
-PACKED_ATTENTION = ("auto", "split", "exclusion")
-
 
 @dataclass
 class PackedPairs:

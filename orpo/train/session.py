@@ -8,6 +8,8 @@ The trainer starts a step, prepares the next while the device runs it, then read
 
 from __future__ import annotations
 
+import dataclasses
+import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,32 +20,35 @@ import mlx.nn as nn
 from mlx_lm.utils import load_model
 
 from orpo.batching import batch_schedule
-from orpo.config import section_defaults
 from orpo.engine.queue import memory_limit
 from orpo.io import sha256_file
 from orpo.optim import FlatAdamW, lora_adamw, warmup_steps_for
 from orpo.render.template import resolve_model_dir
+from orpo.settings import as_dict
 from orpo.train.accumulate import accumulate_grads
 from orpo.train.data import Pairs, load_pairs, pair_lengths, pair_tokens
 from orpo.train.distributed import Shard, join
 from orpo.train.keys import DropoutKeys
 from orpo.train.lora import adapter_folder, apply_lora, warm_start
+from orpo.train.settings import EngineSettings, Machine, ResolvedRun, TrainSettings
 from orpo.train.step import (MicroBatch, batch_value_and_grad, check_attention, orpo_loss, pair_logps, prepare,
                              resolve_engine, tight_rows_fit)
-
-DEFAULTS: dict[str, Any] = section_defaults("train")
 
 
 class TrainingError(RuntimeError):
     """Training cannot go on (non-finite loss or gradients)."""
 
 
-def resolve_settings(settings: dict[str, Any]) -> dict[str, Any]:
-    """Defaults overlaid with the given settings (one level deep for the nested sections)."""
-    s = {**DEFAULTS, **settings}
-    for section in ("lora", "engine", "distributed"):
-        s[section] = {**DEFAULTS[section], **settings.get(section, {})}
-    return s
+def resolve_run(settings: TrainSettings, model: nn.Module) -> ResolvedRun:
+    """Every `auto` of `settings` decided on this machine for `model`: once per run (the run folder records it)."""
+    from orpo.train.distributed import BACKEND_ENV
+    from orpo.train.launch import resolve_backend
+
+    dist = settings.distributed
+    backend = (os.environ.get(BACKEND_ENV) or resolve_backend(dist.backend)) if dist.processes > 1 else dist.backend
+    resolved = dataclasses.replace(settings, engine=resolve_engine(settings.engine),
+                                   distributed=dataclasses.replace(dist, backend=backend))
+    return ResolvedRun(resolved, tight_rows_fit(model), Machine.here())
 
 
 @dataclass
@@ -66,9 +71,12 @@ class StepResult:
 
 @dataclass
 class Session:
-    """Everything a step needs: model with LoRA, optimizer, data, the step order and the dropout keys."""
+    """Everything a step needs: model with LoRA, optimizer, data, the step order and the dropout keys.
 
-    s: dict[str, Any]
+    `s` is the run's resolved settings (`resolved.settings`: no `auto` left).
+    """
+
+    resolved: ResolvedRun
     model: nn.Module
     opt: FlatAdamW
     adapter_config: dict[str, Any]
@@ -82,10 +90,16 @@ class Session:
     _update: tuple[int, Callable] | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
-        self.engine = resolve_engine(self.s["engine"])  # "auto" decided once, on this machine
         check_attention(self.model, self.engine)
-        self._tight = tight_rows_fit(self.model)
         self._lengths = pair_tokens(self.train)
+
+    @property
+    def s(self) -> TrainSettings:
+        return self.resolved.settings
+
+    @property
+    def engine(self) -> EngineSettings:
+        return self.resolved.settings.engine
 
     @property
     def total_steps(self) -> int:
@@ -98,22 +112,23 @@ class Session:
         but each micro-batch holds pairs of similar lengths and so little padding.
         """
         rows = sorted(self.schedule[step - 1], key=lambda r: (self._lengths[r], r))
-        return self.shard.micro_batches(rows, self.s["batch_size"])
+        return self.shard.micro_batches(rows, self.s.batch_size)
 
     def prepare(self, step: int) -> list[MicroBatch]:
         """Step `step`'s micro-batches as rows (host work only: runs while the device computes the step before)."""
-        return [prepare(self.train.select(rows), self.engine, self._tight) for rows in self.micro_batches(step)]
+        tight = self.resolved.tight_rows
+        return [prepare(self.train.select(rows), self.engine, tight) for rows in self.micro_batches(step)]
 
     def run(self, step: int, batches: list[MicroBatch]) -> StepResult:
         """Start optimizer step `step` (1-based) on its prepared micro-batches; its metrics are read later."""
         if not self.model.training:  # evaluate() leaves it in eval mode (no dropout)
             self.model.train()
-        with memory_limit(float(self.engine["memory_limit_gb"])):
+        with memory_limit(self.engine.memory_limit_gb):
 
             def micro(j: int) -> tuple[dict[str, mx.array], Any]:
                 self.keys.at(step, j)  # dropout masks of this micro-batch: keyed by (seed, step, j, module)
                 self.signatures.add(batches[j].signature())
-                (_, metrics), grads = batch_value_and_grad(self.model, batches[j], self.s["lambda"], self.engine)
+                (_, metrics), grads = batch_value_and_grad(self.model, batches[j], self.s.lambda_, self.engine)
                 return metrics, grads
 
             seen = len(self.signatures)
@@ -143,7 +158,7 @@ class Session:
         if not self.opt.attaches:
             self.opt.attach(self.model)
         if self._update is None or self._update[0] != self.opt.attaches:
-            clip = float(self.s["grad_clip"])
+            clip = self.s.grad_clip
             state = [self.model.state, self.opt.state]
             compiled = mx.compile(lambda grads: self.opt.update(self.model, grads, clip), inputs=state, outputs=state)
             self._update = (self.opt.attaches, compiled)
@@ -153,15 +168,15 @@ class Session:
         """ORPO metrics over a whole split (exact means over rows, batched forwards, no dropout)."""
         self.model.eval()
         lw, lr = [], []
-        bs = self.s["batch_size"]
+        bs = self.s.batch_size
         by_length = sorted(range(len(pairs)), key=pair_lengths(pairs).__getitem__)
         for i in range(0, len(pairs), bs):
             rows = by_length[i : i + bs]
-            chosen, rejected = pair_logps(self.model, pairs.select(rows), self.engine)
+            chosen, rejected = pair_logps(self.model, pairs.select(rows), self.engine, self.resolved.tight_rows)
             mx.eval(chosen, rejected)
             lw.append(chosen)
             lr.append(rejected)
-        _, metrics = orpo_loss(mx.concatenate(lw), mx.concatenate(lr), self.s["lambda"])
+        _, metrics = orpo_loss(mx.concatenate(lw), mx.concatenate(lr), self.s.lambda_)
         mx.eval(metrics)
         return {k: round(v.item(), 6) for k, v in metrics.items()}
 
@@ -177,27 +192,33 @@ def _refuse_identical(pairs: Pairs, path: Path) -> None:
               "tokens", file=sys.stderr)
 
 
-def build_session(base_dir: str | Path, rendered_dir: str | Path, settings: dict[str, Any]) -> Session:
-    """Load the base model, add LoRA (warm-started if asked), and set up the optimizer and the step order."""
-    s = resolve_settings(settings)
-    shard = join(s["distributed"])
+def build_session(base_dir: str | Path, rendered_dir: str | Path, settings: TrainSettings,
+                  resolved: ResolvedRun | None = None) -> Session:
+    """Load the base model, add LoRA (warm-started if asked), and set up the optimizer and the step order.
+
+    `resolved`: the run's recorded resolution of `settings` (resume, replay); None decides it here.
+    """
+    shard = join(settings.distributed)
     model, _ = load_model(resolve_model_dir(base_dir, weights=True))
-    keys = shard.dropout_keys(s["seed"])
-    adapter_config = apply_lora(model, s["lora"], s["seed"], keys)
+    if resolved is None:
+        resolved = resolve_run(settings, model)
+    s = resolved.settings
+    keys = shard.dropout_keys(s.seed)
+    adapter_config = apply_lora(model, s.lora, s.seed, keys)
     init = None
-    if s["init_adapter"]:
-        folder = warm_start(model, adapter_config, adapter_folder(s["init_adapter"]))
+    if s.init_adapter:
+        folder = warm_start(model, adapter_config, adapter_folder(s.init_adapter))
         init = {"path": str(folder), "sha256": sha256_file(folder / "adapters.safetensors")}
     # Replay reads the settings back from here too, so the adapter records what produced it.
-    adapter_config["orpo_train"] = s
+    adapter_config["orpo_train"] = as_dict(s)
     train = load_pairs(Path(rendered_dir) / "train.parquet")
     _refuse_identical(train, Path(rendered_dir) / "train.parquet")
     # Grouping by length saves padding but makes batches homogeneous; on the embedded data it slowed
     # learning more than it sped up steps (docs/embedded-default.md), so it is opt-in. Within a step the
     # micro-batches are cut by length whatever this says (Session.micro_batches).
-    window = 32 if s["group_by_length"] else 1
-    rows_per_step = s["batch_size"] * s["grad_accum"] * shard.size  # the global batch, cut per rank in micro_batches
-    schedule = batch_schedule(pair_lengths(train), rows_per_step, s["epochs"], s["seed"], s["max_steps"], window)
-    opt = lora_adamw(s["schedule"], s["lr"], len(schedule), warmup_steps_for(len(schedule), s["warmup"]),
-                     s["weight_decay"], s["lora"]["plus_ratio"])
-    return Session(s, model, opt, adapter_config, train, schedule, keys, init, shard)
+    window = 32 if s.group_by_length else 1
+    rows_per_step = s.batch_size * s.grad_accum * shard.size  # the global batch, cut per rank in micro_batches
+    schedule = batch_schedule(pair_lengths(train), rows_per_step, s.epochs, s.seed, s.max_steps, window)
+    opt = lora_adamw(s.schedule, s.lr, len(schedule), warmup_steps_for(len(schedule), s.warmup),
+                     s.weight_decay, s.lora.plus_ratio)
+    return Session(resolved, model, opt, adapter_config, train, schedule, keys, init, shard)

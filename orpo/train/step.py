@@ -10,6 +10,7 @@ full logits of [chosen; rejected] rows under nn.value_and_grad, the oracle the o
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -17,7 +18,6 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from orpo.config import section_defaults
 from orpo.device import on_cuda
 from orpo.engine.attention import CUDNN_MAX_HEAD_DIM, exclusion_fits
 from orpo.engine.compiled import kept, layout_arrays, layout_from
@@ -26,47 +26,21 @@ from orpo.engine.segmented import segmented_value_and_grad
 from orpo.engine.stack import Stack, head_dim_of
 from orpo.train.data import Pairs, pair_batch
 from orpo.train.lora import refuse_mlp_dropout
-from orpo.train.rows import PACKED_ATTENTION, PackedPairs, plain_rows, shared_rows
+from orpo.train.rows import PackedPairs, plain_rows, shared_rows
+from orpo.train.settings import EngineSettings
 
 # --- the settings ---
 
-ENGINE_DEFAULTS: dict[str, Any] = section_defaults("train")["engine"]
 
-
-def resolve_engine(engine: dict[str, Any] | None) -> dict[str, Any]:
-    """Defaults overlaid with `engine`, checked (a clear error names the bad train.engine field), "auto" decided."""
-    e = {**ENGINE_DEFAULTS, **(engine or {})}
-    unknown = set(e) - set(ENGINE_DEFAULTS)
-    if unknown:
-        raise ValueError(f"train.engine: unknown settings {sorted(unknown)} (known: {sorted(ENGINE_DEFAULTS)})")
-    if e["head"] not in ("naive", "fused"):
-        raise ValueError(f"train.engine.head: {e['head']!r} is not one of naive, fused")
-    if int(e["segment_layers"]) < 0 or int(e["head_chunk"]) < 0:
-        raise ValueError(f"train.engine: segment_layers >= 0, head_chunk >= 0 (got {e})")
-    if int(e["mlp_chunks"]) < 1:
-        raise ValueError(f"train.engine.mlp_chunks: must be >= 1 (got {e['mlp_chunks']})")
-    if int(e["overlap"]) < 0 or float(e["memory_limit_gb"]) < 0:
-        raise ValueError(f"train.engine.overlap and train.engine.memory_limit_gb: must be >= 0 "
-                         f"(got {e['overlap']}, {e['memory_limit_gb']})")
-    c = e["cache_limit_gb"]
-    if c != "auto" and (isinstance(c, (str, bool)) or float(c) < 0):
-        raise ValueError(f"train.engine.cache_limit_gb: must be auto or a number >= 0 (got {c!r})")
-    if int(e["width_multiple"]) < 0:
-        raise ValueError(f"train.engine.width_multiple: must be >= 0 (got {e['width_multiple']})")
-    if e["prefix_sharing"] not in ("auto", True, False):
-        raise ValueError(f"train.engine.prefix_sharing: {e['prefix_sharing']!r} is not one of auto, true, false")
-    if e["prefix_attention"] not in PACKED_ATTENTION:
-        raise ValueError(f"train.engine.prefix_attention: {e['prefix_attention']!r} is not one of "
-                         f"{', '.join(PACKED_ATTENTION)}")
-    if e["compile"] not in ("auto", True, False):
-        raise ValueError(f"train.engine.compile: {e['compile']!r} is not one of auto, true, false")
-    if e["compile"] == "auto":
-        # Faster on CUDA (bench/README.md); on the CPU each new shape's first call pays a trace and a C++ build.
-        e["compile"] = on_cuda()
-    if e["prefix_sharing"] == "auto":
-        # On everywhere: faster and smaller on the CPU and on CUDA, most with long prompts (bench/README.md).
-        e["prefix_sharing"] = True
-    return e
+def resolve_engine(engine: EngineSettings) -> EngineSettings:
+    """`engine` with this machine's choices made for its `auto` values (once per run: the run records them)."""
+    # compile: faster on CUDA (bench/README.md); on the CPU each new shape's first call pays a trace and a C++ build.
+    # prefix_sharing: on everywhere, faster and smaller on the CPU and on CUDA (bench/README.md).
+    return dataclasses.replace(
+        engine,
+        compile=on_cuda() if engine.compile == "auto" else engine.compile,
+        prefix_sharing=True if engine.prefix_sharing == "auto" else engine.prefix_sharing,
+        width_multiple=engine.width_multiple or (CUDA_ATTENTION_MULTIPLE if on_cuda() else 0))
 
 
 # MLX's CUDA attention runs its cuDNN backward only for query lengths that are a multiple of 128; other
@@ -74,21 +48,14 @@ def resolve_engine(engine: dict[str, Any] | None) -> dict[str, Any]:
 CUDA_ATTENTION_MULTIPLE = 128
 
 
-def input_multiple(engine: dict[str, Any]) -> int | None:
-    """What the forward's input length is padded to a multiple of (None: the loader's 16-token rounding)."""
-    m = int(engine["width_multiple"])
-    if m == 0:
-        return CUDA_ATTENTION_MULTIPLE if on_cuda() else None
-    return m
-
-
 # The plain path: naive head, plain backward, no sharing (the oracle).
 PLAIN: dict[str, Any] = {"head": "naive", "segment_layers": 0, "prefix_sharing": False}
 
 
-def is_plain(engine: dict[str, Any]) -> bool:
-    """Whether the settings ask for the plain path (PLAIN)."""
-    return all(engine[k] == v for k, v in PLAIN.items())
+def _resolved(engine: EngineSettings) -> EngineSettings:
+    if not engine.resolved:
+        raise ValueError("train.engine has auto values left: resolve them once per run (orpo.train.step.resolve_engine)")
+    return engine
 
 
 def tight_rows_fit(model: nn.Module) -> bool:
@@ -96,9 +63,9 @@ def tight_rows_fit(model: nn.Module) -> bool:
     return exclusion_fits(head_dim_of(model), on_cuda())
 
 
-def check_attention(model: nn.Module, engine: dict[str, Any]) -> None:
+def check_attention(model: nn.Module, engine: EngineSettings) -> None:
     """Refuse a prefix attention that would run MLX's unfused fallback on this model and device."""
-    if engine["prefix_sharing"] and engine["prefix_attention"] == "exclusion" and not tight_rows_fit(model):
+    if engine.prefix_sharing is True and engine.prefix_attention == "exclusion" and not tight_rows_fit(model):
         raise ValueError(f"train.engine.prefix_attention: exclusion widens this model's head dim "
                          f"({head_dim_of(model)}) past the {CUDNN_MAX_HEAD_DIM} MLX's CUDA attention runs fused "
                          "(the fallback keeps [B, H, L, L] scores); use auto or split")
@@ -107,12 +74,12 @@ def check_attention(model: nn.Module, engine: dict[str, Any]) -> None:
 # --- pairs -> rows ---
 
 
-def pack(pairs: Pairs, engine: dict[str, Any], tight: bool = True) -> PackedPairs:
+def pack(pairs: Pairs, engine: EngineSettings, tight: bool = True) -> PackedPairs:
     """The forward rows of `pairs`: shared-prefix rows (tight ones only where `tight`), or the plain rows."""
-    m = input_multiple(engine)
-    if not engine["prefix_sharing"]:
+    m = _resolved(engine).input_multiple
+    if not engine.prefix_sharing:
         return plain_rows(pairs, m)
-    return shared_rows(pairs, m, engine["prefix_attention"], tight)
+    return shared_rows(pairs, m, engine.prefix_attention, tight)
 
 
 @dataclass(frozen=True)
@@ -137,13 +104,13 @@ class MicroBatch:
         return self.packed.signature() if self.packed is not None else (tuple(self.plain[0].shape),)
 
 
-def prepare(pairs: Pairs, engine: dict[str, Any] | None, tight: bool = True) -> MicroBatch:
-    """The forward rows of `pairs` for the engine's settings (host work only); `tight` as `pack` takes it."""
-    e = resolve_engine(engine)
+def prepare(pairs: Pairs, engine: EngineSettings, tight: bool = True) -> MicroBatch:
+    """The forward rows of `pairs` for the (resolved) engine settings (host work only); `tight` as `pack` takes it."""
+    e = _resolved(engine)
     n = len(pairs)
     scored = sum(map(sum, pairs.chosen_mask + pairs.rejected_mask))
-    if is_plain(e):
-        tokens, mask = pair_batch(pairs, list(range(n)), input_multiple(e))
+    if e.plain:
+        tokens, mask = pair_batch(pairs, list(range(n)), e.input_multiple)
         full = sum(2 * len(p) + len(c) + len(r) for p, c, r in zip(pairs.prompt, pairs.chosen, pairs.rejected))
         return MicroBatch(n, scored, full, full, int(tokens.size), plain=(tokens, mask))
     packed = pack(pairs, e, tight)
@@ -159,10 +126,9 @@ def scored_rows(hidden: mx.array, packed: PackedPairs) -> mx.array:
     return mx.take(hidden.reshape(-1, hidden.shape[-1]), packed.index, axis=0)
 
 
-def packed_logps(head: LMHead, hidden: mx.array, packed: PackedPairs, engine: dict[str, Any]) -> mx.array:
+def packed_logps(head: LMHead, hidden: mx.array, packed: PackedPairs, engine: EngineSettings) -> mx.array:
     """Mean response log-prob of each sequence [2B] (chosen rows, then rejected) from final hidden states."""
-    logp = token_logp(head, scored_rows(hidden, packed), packed.targets, engine["head"] == "fused",
-                      int(engine["head_chunk"]))
+    logp = token_logp(head, scored_rows(hidden, packed), packed.targets, engine.head == "fused", engine.head_chunk)
     return packed.weights @ logp
 
 
@@ -218,7 +184,7 @@ def naive_pair_loss(model: nn.Module, tokens: mx.array, mask: mx.array, n: int, 
 
 
 def whole_loss(model: nn.Module, packed: PackedPairs, n: int, lam: float,
-               e: dict[str, Any]) -> tuple[mx.array, dict[str, mx.array]]:
+               e: EngineSettings) -> tuple[mx.array, dict[str, mx.array]]:
     """ORPO loss and metrics of n pairs' packed rows through the whole stack and the head (one graph)."""
     hidden = Stack(model).hidden(packed.layout)
     logps = packed_logps(lm_head_of(model), hidden, packed, e)
@@ -229,21 +195,21 @@ def whole_loss(model: nn.Module, packed: PackedPairs, n: int, lam: float,
 
 
 def batch_value_and_grad(model: nn.Module, batch: MicroBatch, lam: float,
-                         engine: dict[str, Any] | None) -> tuple[tuple[mx.array, dict[str, mx.array]], Any]:
+                         engine: EngineSettings) -> tuple[tuple[mx.array, dict[str, mx.array]], Any]:
     """((loss, metrics), grads) of the ORPO loss over a prepared micro-batch; metrics as orpo_loss's plus
     prefix_fallbacks (the pairs whose prompts differ: no sharing for them).
 
     grads has the tree structure of model.trainable_parameters(), as nn.value_and_grad gives it.
     """
-    e = resolve_engine(engine)
+    e = engine
     n = batch.n
     if batch.plain is not None:
         (loss, metrics), grads = nn.value_and_grad(model, naive_pair_loss)(model, *batch.plain, n, lam)
         return (loss, {**metrics, "prefix_fallbacks": mx.array(0.0)}), grads
     packed = batch.packed
-    if int(e["segment_layers"]) > 0:
+    if e.segment_layers > 0:
         (loss, metrics), grads = _segmented(model, packed, n, lam, e)
-    elif e["compile"]:
+    elif e.compile:
         (loss, metrics), grads = _compiled_whole(model, packed, n, lam, e)
     else:
         (loss, metrics), grads = nn.value_and_grad(model, lambda: whole_loss(model, packed, n, lam, e))()
@@ -251,13 +217,13 @@ def batch_value_and_grad(model: nn.Module, batch: MicroBatch, lam: float,
 
 
 def pair_value_and_grad(model: nn.Module, pairs: Pairs, lam: float,
-                        engine: dict[str, Any] | None) -> tuple[tuple[mx.array, dict[str, mx.array]], Any]:
+                        engine: EngineSettings) -> tuple[tuple[mx.array, dict[str, mx.array]], Any]:
     """`batch_value_and_grad` of `prepare(pairs)`: the rows built and differentiated in one call."""
     return batch_value_and_grad(model, prepare(pairs, engine, tight_rows_fit(model)), lam, engine)
 
 
 def _compiled_whole(model: nn.Module, packed: PackedPairs, n: int, lam: float,
-                    e: dict[str, Any]) -> tuple[tuple[mx.array, dict[str, mx.array]], Any]:
+                    e: EngineSettings) -> tuple[tuple[mx.array, dict[str, mx.array]], Any]:
     """nn.value_and_grad of `whole_loss` under mx.compile (the model's arrays are its implicit inputs)."""
     structure, arrays = layout_arrays(packed.layout)
 
@@ -268,15 +234,15 @@ def _compiled_whole(model: nn.Module, packed: PackedPairs, n: int, lam: float,
 
         return mx.compile(nn.value_and_grad(model, loss), inputs=model.state, outputs=model.state)
 
-    key = ("whole", tuple(sorted((k, str(v)) for k, v in e.items())), n, lam, structure)
+    key = ("whole", e, n, lam, structure)
     return kept(model, key, build)(arrays, packed.index, packed.targets, packed.weights)
 
 
 def _segmented(model: nn.Module, packed: PackedPairs, n: int, lam: float,
-               e: dict[str, Any]) -> tuple[tuple[mx.array, dict[str, mx.array]], Any]:
+               e: EngineSettings) -> tuple[tuple[mx.array, dict[str, mx.array]], Any]:
     """((loss, metrics), grads) through the segmented backward; a fused head runs eagerly, chunk by chunk."""
     stack, head = Stack(model), lm_head_of(model)
-    if int(e["mlp_chunks"]) > 1:
+    if e.mlp_chunks > 1:
         refuse_mlp_dropout(stack.layers)
 
     def loss_of(logps: mx.array) -> tuple[mx.array, dict[str, mx.array]]:
@@ -290,28 +256,30 @@ def _segmented(model: nn.Module, packed: PackedPairs, n: int, lam: float,
         rows = lambda h: scored_rows(stack.norm(h), packed)  # noqa: E731
         x = rows(h)
         mx.eval(x)
-        logp, grad_fn = fused_logp_eager(head, x, packed.targets, int(e["head_chunk"]), int(e["overlap"]))
+        logp, grad_fn = fused_logp_eager(head, x, packed.targets, e.head_chunk, e.overlap)
         (loss, metrics), g = mx.value_and_grad(lambda lp: loss_of(packed.weights @ lp))(logp)
         mx.eval(loss, metrics, g)
         _, (cot,) = mx.vjp(lambda h: [rows(h)], [h], [grad_fn(g)])
         return (loss, metrics), cot
 
-    eager = head_value_and_grad if e["head"] == "fused" else None
-    return segmented_value_and_grad(model, stack, packed.layout, loss_of_last, int(e["segment_layers"]), eager,
-                                    bool(e["compile"]), int(e["overlap"]), int(e["mlp_chunks"]))
+    eager = head_value_and_grad if e.head == "fused" else None
+    return segmented_value_and_grad(model, stack, packed.layout, loss_of_last, e.segment_layers, eager,
+                                    e.compile, e.overlap, e.mlp_chunks)
 
 
 # --- validation: log-probs without gradients ---
 
 
-def pair_logps(model: nn.Module, pairs: Pairs, engine: dict[str, Any] | None) -> tuple[mx.array, mx.array]:
-    """Mean response log-probs (chosen [B], rejected [B]) without gradients, for validation."""
-    e = resolve_engine(engine)
+def pair_logps(model: nn.Module, pairs: Pairs, engine: EngineSettings,
+               tight: bool | None = None) -> tuple[mx.array, mx.array]:
+    """Mean response log-probs (chosen [B], rejected [B]) without gradients, for validation; `tight` as `pack`
+    takes it (None: as this machine decides, tight_rows_fit)."""
+    e = _resolved(engine)
     n = len(pairs)
-    if e["head"] == "naive" and not e["prefix_sharing"]:  # segments only change the backward
-        logps = response_mean_logps(model, *pair_batch(pairs, list(range(n)), input_multiple(e)))
+    if e.head == "naive" and not e.prefix_sharing:  # segments only change the backward
+        logps = response_mean_logps(model, *pair_batch(pairs, list(range(n)), e.input_multiple))
     else:
-        packed = pack(pairs, e, tight_rows_fit(model))
+        packed = pack(pairs, e, tight_rows_fit(model) if tight is None else tight)
         stack = Stack(model)
         logps = packed_logps(lm_head_of(model), stack.hidden(packed.layout), packed, e)
     logps = mx.stop_gradient(logps)

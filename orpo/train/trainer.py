@@ -8,6 +8,7 @@ import json
 import math
 import os
 import shutil
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -23,19 +24,21 @@ from orpo.train.data import load_pairs
 from orpo.train.lora import save_adapter
 from orpo.train.memory import cache_policy
 from orpo.train.progress import Progress
-from orpo.train.session import DEFAULTS, Session, TrainingError, build_session, resolve_settings
-from orpo.train.step import is_plain
+from orpo.settings import as_dict
+from orpo.train.session import Session, TrainingError, build_session
+from orpo.train.settings import ResolvedRun, TrainSettings, recorded_run
 
-__all__ = ["DEFAULTS", "Session", "TrainingError", "build_session", "replay", "resolve_settings", "train"]
+__all__ = ["Session", "TrainingError", "build_session", "replay", "train"]
 
 
-def _checkpoint_steps(s: dict[str, Any], total: int) -> list[int]:
-    every = s["checkpoint_every"]
+def _checkpoint_steps(s: TrainSettings, total: int) -> list[int]:
+    every = s.checkpoint_every
     steps = list(range(every, total + 1, every)) if every > 0 else []
     return steps if steps and steps[-1] == total else steps + [total]
 
 
-def train(base_dir: str | Path, rendered_dir: str | Path, out_dir: str | Path, settings: dict[str, Any]) -> dict[str, Any] | None:
+def train(base_dir: str | Path, rendered_dir: str | Path, out_dir: str | Path,
+          settings: TrainSettings) -> dict[str, Any] | None:
     """Train an ORPO LoRA adapter; write the run folder (adapter, checkpoints, index, metrics).
 
     Work happens in `<out_dir>.partial`; a run killed midway resumes there from its last checkpoint when
@@ -44,14 +47,37 @@ def train(base_dir: str | Path, rendered_dir: str | Path, out_dir: str | Path, s
     their shards, return None, and read the folder only to resume from the checkpoint rank 0 chose.
     Rank 0 holds `<out_dir>.lock` throughout (`work_lock`). A non-finite step or a diverged validation
     (`diverged`) stops the run with TrainingError, its checkpoints so far kept in the work folder.
+    The `auto` settings are decided once (or, resuming, read back from the work folder's settings.json).
     """
     out_dir = Path(out_dir)
     work = out_dir.with_name(out_dir.name + ".partial")
-    sess = build_session(base_dir, rendered_dir, settings)
+    sess = build_session(base_dir, rendered_dir, settings, _resumable(work, settings, base_dir, rendered_dir))
+    record = {"settings": as_dict(settings), "resolved": sess.resolved.to_json(), "base": str(base_dir),
+              "rendered": str(rendered_dir), "total_steps": sess.total_steps, "init_adapter": sess.init_adapter}
     if sess.shard.is_main:
         with work_lock(out_dir):
-            return _train(sess, base_dir, rendered_dir, out_dir, work)
-    return _train(sess, base_dir, rendered_dir, out_dir, work)
+            return _train(sess, record, rendered_dir, out_dir, work)
+    return _train(sess, record, rendered_dir, out_dir, work)
+
+
+def _resumable(work: Path, settings: TrainSettings, base_dir: str | Path,
+               rendered_dir: str | Path) -> ResolvedRun | None:
+    """The resolved settings an interrupted run of the same settings and inputs recorded in `work`, or None.
+
+    A run resolved on another backend is not continued (its steps would not replay on either): it starts again.
+    """
+    try:
+        record = json.loads((work / "settings.json").read_text())
+        same = (record["settings"] == json.loads(json.dumps(as_dict(settings))) and record["base"] == str(base_dir)
+                and record["rendered"] == str(rendered_dir))
+        resolved = ResolvedRun.from_json(record["resolved"]) if same else None
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    why = resolved and resolved.reproducible_here()
+    if why:
+        print(f"orpo train: warning: not resuming {work}, starting again: {why}", file=sys.stderr)
+        return None
+    return resolved
 
 
 @contextlib.contextmanager
@@ -83,18 +109,15 @@ def work_lock(out_dir: Path) -> Iterator[None]:
         f.close()
 
 
-def _train(sess: Session, base_dir: str | Path, rendered_dir: str | Path, out_dir: Path,
+def _train(sess: Session, record: dict[str, Any], rendered_dir: str | Path, out_dir: Path,
            work: Path) -> dict[str, Any] | None:
     s = sess.s
-    # The engine as decided on this machine ("auto" settings depend on the device): same loss either way.
-    record = {"settings": s, "engine_resolved": sess.engine, "base": str(base_dir),
-              "rendered": str(rendered_dir), "total_steps": sess.total_steps, "init_adapter": sess.init_adapter}
     start, resumed = _prepare_workdir(work, record, sess) if sess.shard.is_main else (0, False)
     if sess.shard.size > 1:
         start = sess.shard.broadcast_int(start)  # a barrier too: rank 0 has cleaned or resumed the folder
         if not sess.shard.is_main:
             return _follow(sess, work, start)
-    progress = Progress(sess.total_steps, start, s["log_every"])
+    progress = Progress(sess.total_steps, start, s.log_every)
     if resumed:
         progress.event({"resumed_from_step": start})
     val = load_pairs(Path(rendered_dir) / "validation.parquet")
@@ -104,7 +127,7 @@ def _train(sess: Session, base_dir: str | Path, rendered_dir: str | Path, out_di
         progress.event({"step": 0, "validation": index["baseline"]})
 
     ckpt_steps = set(_checkpoint_steps(s, sess.total_steps))
-    with cache_policy(sess.engine["cache_limit_gb"]) as cache, \
+    with cache_policy(s.engine.cache_limit_gb) as cache, \
             open(work / "metrics.jsonl", "a", encoding="utf-8") as metrics_file:
         cache.start()
         rate = Throughput()
@@ -122,27 +145,27 @@ def _train(sess: Session, base_dir: str | Path, rendered_dir: str | Path, out_di
                  "peak_memory_mb": round(mx.get_peak_memory() / 2**20, 3)}
             metrics_file.write(json.dumps(m) + "\n")
             progress.step(m)
-            if step % s["log_every"] == 0:
+            if step % s.log_every == 0:
                 metrics_file.flush()
             if step in ckpt_steps:
                 v = sess.evaluate(val)
                 metrics_file.write(json.dumps({"step": step, "split": "validation", **v}) + "\n")
                 metrics_file.flush()
-                why = diverged(v, index["baseline"], sess.model.args.vocab_size, s["divergence_ratio"])
+                why = diverged(v, index["baseline"], sess.model.args.vocab_size, s.divergence_ratio)
                 if why:
                     kept = [k for k in kept_steps(work) if str(k) in index["checkpoints"]]
                     raise TrainingError(f"training diverged at step {step}: {why}; no checkpoint saved for it, "
                                         f"the last good one is {f'step {kept[-1]}' if kept else 'none (the start)'} "
                                         f"in {work} (lower train.lr, or set train.divergence_ratio: 0 to go on)")
                 sha = save_checkpoint(work, step, sess.model, sess.opt, sess.adapter_config,
-                                      {"epoch_of_step": _epoch_of(sess, step), "seed": s["seed"]})
+                                      {"epoch_of_step": _epoch_of(sess, step), "seed": s.seed})
                 index["checkpoints"][str(step)] = {"sha256": sha, "validation": v}
                 _update_best(index)
                 index["run"] = {**rate.summary(), "shapes": len(sess.signatures),
                                 "traces": len(sess.signatures) if _compiles(sess) else 0, "memory": cache.record()}
                 write_json(work / "index.json", index)
                 # Prune only after index.json holds the new hash: a crash here leaves extra folders, never a gap.
-                prune_checkpoints(work, index, s["keep_last"])
+                prune_checkpoints(work, index, s.keep_last)
                 progress.event({"step": step, "validation": v, "sha256": sha[:16]})
     progress.close()
 
@@ -183,7 +206,7 @@ UNIFORM_SHARE = 0.98
 
 def _compiles(sess: Session) -> bool:
     """Whether the engine's step runs under mx.compile (the plain path never does)."""
-    return bool(sess.engine["compile"]) and not is_plain(sess.engine)
+    return sess.engine.compile and not sess.engine.plain
 
 
 class Throughput:
@@ -223,7 +246,7 @@ def _follow(sess: Session, work: Path, start: int) -> None:
 
 
 def _epoch_of(sess: Session, step: int) -> int:
-    per_epoch = max(1, sess.total_steps // max(1, sess.s["epochs"]))
+    per_epoch = max(1, sess.total_steps // max(1, sess.s.epochs))
     return (step - 1) // per_epoch
 
 
@@ -271,7 +294,8 @@ def replay(
 ) -> dict[str, Any] | None:
     """Re-run training to a checkpoint step and compare the adapter's sha256 with the run's index.
 
-    The run's settings.json (every knob, defaults filled) drives the replay; a run of N processes replays
+    The run's settings.json drives the replay: its resolved settings as the run decided them (a machine of
+    another backend is refused, `recorded_run`), every knob as it ran; a run of N processes replays
     on N ranks (bit for bit; one process could match it only within float tolerance), and only rank 0
     returns the record (the others None). `from_="previous"` starts at the
     latest checkpoint still on disk before the target (its optimizer and loop state restored), so a step
@@ -280,10 +304,10 @@ def replay(
     if from_ not in ("previous", "zero"):
         raise ValueError(f"replay from {from_!r}: use 'previous' or 'zero'")
     run_dir = require_complete(run_dir, "training run")
-    record = json.loads((run_dir / "settings.json").read_text())
+    settings, resolved, record = recorded_run(run_dir)
     index = read_index(run_dir)
     target = resolve_step(index, which)
-    sess = build_session(base_dir, rendered_dir, record["settings"])
+    sess = build_session(base_dir, rendered_dir, settings, resolved)
     if record.get("init_adapter") and sess.init_adapter["sha256"] != record["init_adapter"]["sha256"]:
         raise ValueError(f"init_adapter {sess.init_adapter['path']} changed since the run (sha256 "
                          f"{sess.init_adapter['sha256'][:16]}, the run started from {record['init_adapter']['sha256'][:16]})")

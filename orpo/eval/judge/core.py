@@ -9,6 +9,7 @@ A run that ends with no verdict at all raises NoVerdicts (no outputs); one with 
 from __future__ import annotations
 
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -16,9 +17,10 @@ from typing import Any, Protocol
 from orpo.eval.judge.cache import VerdictCache, cache_key
 from orpo.eval.judge.prompts import JudgePrompt, load_judge_prompt, parse_verdict
 from orpo.eval.judge.questions import Question, load_questions, read_answers
-from orpo.eval.judge.settings import resolve_settings
+from orpo.eval.judge.settings import JudgeSettings, resolve_settings
 from orpo.eval.judge.summary import outcome, summarize, winner
 from orpo.io import write_json, write_jsonl
+from orpo.settings import as_dict
 
 ORDERS = ("ab", "ba")  # "ab": model a's answer shown as Assistant A; "ba": swapped
 
@@ -44,9 +46,9 @@ class _Item:
     key: str
 
 
-def make_judge(s: dict[str, Any]) -> Judge:
+def make_judge(s: JudgeSettings) -> Judge:
     """The judge backend the settings name (`kind`: mlx or openai)."""
-    if s["kind"] == "mlx":
+    if s.kind == "mlx":
         from orpo.eval.judge.mlx_judge import MlxJudge
 
         return MlxJudge(s)
@@ -57,7 +59,7 @@ def make_judge(s: dict[str, Any]) -> Judge:
 
 def judge_pairs(
     questions: list[Question], answers_a: dict[str, str], answers_b: dict[str, str], out_dir: str | Path,
-    settings: dict[str, Any], labels: tuple[str, str] = ("a", "b"), meta: dict[str, Any] | None = None,
+    settings: JudgeSettings | Mapping[str, Any], labels: tuple[str, str] = ("a", "b"), meta: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Judge model a against model b on each question in both orders; write verdicts and summary, return the summary.
 
@@ -65,26 +67,26 @@ def judge_pairs(
     """
     s = resolve_settings(settings)
     out_dir = Path(out_dir)
-    prompt = load_judge_prompt(s["prompts_file"], s["template"])
-    questions = questions[: s["limit"]] if s["limit"] else list(questions)
+    prompt = load_judge_prompt(s.prompts_file, s.template)
+    questions = questions[: s.limit] if s.limit else list(questions)
     _check(questions, answers_a, answers_b, labels)
     judge = make_judge(s)
     items = _items(questions, answers_a, answers_b, prompt, judge.identity)
-    cache = VerdictCache(s["cache"] or out_dir / "cache.jsonl")
+    cache = VerdictCache(s.cache or out_dir / "cache.jsonl")
     pending = list({it.key: it for it in items if it.key not in cache}.values())
-    failed = _judge_all(judge, pending, cache, s["max_parse_retries"], len(items))
+    failed = _judge_all(judge, pending, cache, s.max_parse_retries, len(items))
     records = {it.key: cache[it.key] if it.key in cache else failed[it.key] for it in items}
     _check_verdicts(items, records, judge.identity)
 
     rows, outcomes = _rows(items, records, labels)
     summary = {
-        **summarize(outcomes, s["n_resamples"], s["seed"]),
+        **summarize(outcomes, s.n_resamples, s.seed),
         "models": {"a": labels[0], "b": labels[1]},
         "judge": {**judge.identity, "template": prompt.name},
         "errors": [r["question_id"] for r in rows[::2] if r["outcome"] == "error"],
         "position": {v: sum(r["verdict"] == v for r in rows) for v in ("A", "B", "tie")}
         | {"error": sum(r["verdict"] is None for r in rows)},
-        "settings": s,
+        "settings": as_dict(s),
         **(meta or {}),
     }
     write_jsonl(out_dir / "verdicts.jsonl", rows)
@@ -95,14 +97,14 @@ def judge_pairs(
 
 def judge_files(
     questions_path: str | Path, generations_a: tuple[str, str | Path], generations_b: tuple[str, str | Path],
-    out_dir: str | Path, settings: dict[str, Any],
+    out_dir: str | Path, settings: JudgeSettings | Mapping[str, Any],
 ) -> dict[str, Any]:
     """judge_pairs on files: the prompt set's question file and two (label, generations.jsonl) pairs."""
     s = resolve_settings(settings)
-    questions, skipped = load_questions(s["prompt_set"], questions_path)
+    questions, skipped = load_questions(s.prompt_set, questions_path)
     (label_a, path_a), (label_b, path_b) = generations_a, generations_b
-    meta = {"prompt_set": s["prompt_set"], "questions_file": str(questions_path), "skipped": skipped,
-            "first_turn_only": s["prompt_set"] == "mt_bench",
+    meta = {"prompt_set": s.prompt_set, "questions_file": str(questions_path), "skipped": skipped,
+            "first_turn_only": s.prompt_set == "mt_bench",
             "generations": {label_a: str(path_a), label_b: str(path_b)}}
     return judge_pairs(questions, read_answers(path_a), read_answers(path_b), out_dir, s, (label_a, label_b), meta)
 

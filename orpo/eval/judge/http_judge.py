@@ -16,7 +16,7 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from orpo.eval.judge.settings import api_key
+from orpo.eval.judge.settings import JudgeSettings, api_key
 
 MAX_BACKOFF_S = 60.0
 
@@ -38,18 +38,18 @@ class _Retryable(Exception):
 class HttpJudge:
     """Chat completions from an OpenAI-compatible server; `complete` keeps the input order."""
 
-    def __init__(self, s: dict[str, Any]):
-        self.url = s["base_url"].rstrip("/") + "/chat/completions"
-        self.model, self.max_tokens, self.temperature = s["model"], s["max_tokens"], float(s["temperature"])
-        self.timeout_s, self.backoff_s = float(s["timeout_s"]), float(s["backoff_s"])
-        self.max_retries = s["max_retries"]
-        self.chunk_size = s["concurrency"]
+    def __init__(self, s: JudgeSettings):
+        self.url = s.base_url.rstrip("/") + "/chat/completions"
+        self.model, self.max_tokens, self.temperature = s.model, s.max_tokens, s.temperature
+        self.timeout_s, self.backoff_s = s.timeout_s, s.backoff_s
+        self.max_retries = s.max_retries
+        self.chunk_size = s.concurrency
         self._headers = {"Content-Type": "application/json"}
         key = api_key(s)
         if key:
             self._headers["Authorization"] = f"Bearer {key}"
         # What decides the judgments, and so keys the cache: which server, which model there, how it samples.
-        self.identity = {"kind": "openai", "base_url": s["base_url"].rstrip("/"), "model": self.model,
+        self.identity = {"kind": "openai", "base_url": s.base_url.rstrip("/"), "model": self.model,
                          "max_tokens": self.max_tokens, "temperature": self.temperature}
 
     def complete(self, chats: list[list[dict[str, str]]], attempt: int = 0) -> list[str]:

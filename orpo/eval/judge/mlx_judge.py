@@ -6,20 +6,22 @@ import hashlib
 from pathlib import Path
 from typing import Any
 
+from orpo.eval.judge.settings import JudgeSettings
+
 
 class MlxJudge:
     """Judgments from a local model folder (or hub id), rendered through its own chat template."""
 
-    def __init__(self, s: dict[str, Any]):
-        self.model = s["model"]
+    def __init__(self, s: JudgeSettings):
+        self.model = s.model
         self._gen: Any = None  # loaded on first use: a fully cached rerun never loads the model
-        self.chunk_size = s["batch_size"]
-        self.gen_settings = {"temperature": float(s["temperature"]), "top_p": 1.0, "seed": s["seed"],
-                             "batch_size": s["batch_size"], "max_tokens": s["max_tokens"]}
-        self.identity = {"kind": "mlx", "model": str(s["model"]), "weights": _weights_fingerprint(s["model"]),
-                         "max_tokens": s["max_tokens"], "temperature": float(s["temperature"])}
-        if s["temperature"] > 0:
-            self.identity["seed"] = s["seed"]
+        self.chunk_size = s.batch_size
+        self.gen_settings = {"temperature": s.temperature, "top_p": 1.0, "seed": s.seed,
+                             "batch_size": s.batch_size, "max_tokens": s.max_tokens}
+        self.identity = {"kind": "mlx", "model": str(s.model), "weights": _weights_fingerprint(s.model),
+                         "max_tokens": s.max_tokens, "temperature": s.temperature}
+        if s.temperature > 0:
+            self.identity["seed"] = s.seed
 
     def complete(self, chats: list[list[dict[str, str]]], attempt: int = 0) -> list[str]:
         """One judgment text per chat (greedy at temperature 0; a retry reseeds only when sampling)."""

@@ -1,0 +1,208 @@
+"""The train stage's settings (config section `train`), typed, and what one run resolved them to on its machine.
+
+`TrainSettings` is built once at the command line from the validated section (orpo.settings.build: the
+schema's defaults, no others). The engine's `auto` values depend on the machine, so a run decides them once
+(`orpo.train.session.resolve_run`) and records a `ResolvedRun` in its settings.json with the machine it ran
+on; resume and replay use that record instead of deciding again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from orpo.settings import as_dict, build, from_mapping
+
+
+@dataclass(frozen=True)
+class LoraSettings:
+    """train.lora: the adapters' shape and regularisation (the schema describes each key)."""
+
+    rank: int
+    alpha: float
+    dropout: float
+    plus_ratio: float
+    rslora: bool
+    num_layers: int
+    target_modules: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """train.engine: how the step computes (all choices give the same loss and gradients within float tolerance).
+
+    As configured, `prefix_sharing` and `compile` may be "auto" and `width_multiple` 0 (auto); resolved
+    (`orpo.train.step.resolve_engine`), the first two are booleans and `width_multiple` is the multiple used
+    (0 stays: the loader's 16-token rounding).
+    """
+
+    head: str
+    head_chunk: int
+    segment_layers: int
+    mlp_chunks: int
+    prefix_sharing: bool | str
+    prefix_attention: str
+    width_multiple: int
+    compile: bool | str
+    overlap: int
+    memory_limit_gb: float
+    cache_limit_gb: float | str
+
+    @property
+    def resolved(self) -> bool:
+        """Whether the machine's choices are made (no `auto` left that the step would have to decide)."""
+        return self.prefix_sharing != "auto" and self.compile != "auto"
+
+    @property
+    def input_multiple(self) -> int | None:
+        """What the forward's input length is padded to a multiple of (None: the loader's 16-token rounding)."""
+        return self.width_multiple or None
+
+    @property
+    def plain(self) -> bool:
+        """Whether this is the plain path: naive head, plain backward, no sharing (the oracle)."""
+        return self.head == "naive" and self.segment_layers == 0 and self.prefix_sharing is False
+
+
+@dataclass(frozen=True)
+class DistributedSettings:
+    """train.distributed: how many ranks, over which backend (`any` is decided at launch)."""
+
+    processes: int
+    backend: str
+    hostfile: str | None
+
+
+@dataclass(frozen=True)
+class TrainSettings:
+    """The `train` section: optimisation, schedule, checkpoints, and the nested lora, engine and distributed."""
+
+    lr: float
+    lambda_: float
+    schedule: str
+    warmup: float
+    epochs: int
+    max_steps: int
+    batch_size: int
+    grad_accum: int
+    group_by_length: bool
+    grad_clip: float
+    divergence_ratio: float
+    weight_decay: float
+    seed: int
+    checkpoint_every: int
+    keep_last: int
+    log_every: int
+    init_adapter: str | None
+    lora: LoraSettings
+    engine: EngineSettings
+    distributed: DistributedSettings
+
+
+def train_settings(mapping: Mapping[str, Any] | None = None, what: str = "settings") -> TrainSettings:
+    """TrainSettings from a `train` mapping: checked against the schema, its defaults filled in."""
+    return build(TrainSettings, "train", mapping, what=what)
+
+
+def engine_settings(mapping: Mapping[str, Any] | None = None, what: str = "settings") -> EngineSettings:
+    """EngineSettings from a `train.engine` mapping (as configured: `auto` values not yet decided)."""
+    return build(EngineSettings, "train.engine", mapping, what=what)
+
+
+def lora_settings(mapping: Mapping[str, Any] | None = None, what: str = "settings") -> LoraSettings:
+    """LoraSettings from a `train.lora` mapping."""
+    return build(LoraSettings, "train.lora", mapping, what=what)
+
+
+@dataclass(frozen=True)
+class Machine:
+    """What a run's `auto` values were decided on: the MLX backend, the device's name and MLX's version."""
+
+    backend: str  # cuda, metal or cpu
+    device: str
+    mlx: str
+
+    @classmethod
+    def here(cls) -> Machine:
+        """This process's machine, as MLX sees it."""
+        import importlib.metadata
+
+        import mlx.core as mx
+
+        from orpo.device import on_cuda
+
+        gpu = mx.default_device().type == mx.gpu
+        backend = "cuda" if on_cuda() else "metal" if gpu and mx.metal.is_available() else "cpu"
+        info = mx.device_info() if hasattr(mx, "device_info") else {}
+        return cls(backend, str(info.get("device_name", "")), importlib.metadata.version("mlx"))
+
+    def describe(self) -> str:
+        return f"{self.backend} ({self.device or 'unnamed device'}, mlx {self.mlx})"
+
+
+@dataclass(frozen=True)
+class ResolvedRun:
+    """The settings a run uses, every `auto` decided once, and the machine that decided them.
+
+    `tight_rows`: whether shared-prefix rows of pairs of their own lengths may be tight (the exclusion dims at
+    full speed on this model and device, orpo.train.step.tight_rows_fit); `auto` attention asks it.
+    """
+
+    settings: TrainSettings
+    tight_rows: bool
+    machine: Machine
+
+    def to_json(self) -> dict[str, Any]:
+        return {"settings": as_dict(self.settings), "tight_rows": self.tight_rows,
+                "machine": dataclasses.asdict(self.machine)}
+
+    @classmethod
+    def from_json(cls, record: Mapping[str, Any], where: str = "settings.json resolved") -> ResolvedRun:
+        try:
+            return cls(from_mapping(TrainSettings, record["settings"], f"{where}.settings"),
+                       bool(record["tight_rows"]), Machine(**record["machine"]))
+        except (KeyError, TypeError) as e:
+            raise ValueError(f"{where}: not a resolved-settings record ({e})") from None
+
+    def reproducible_here(self, here: Machine | None = None) -> str | None:
+        """Why this machine cannot replay the run bit for bit (another backend), or None."""
+        here = here or Machine.here()
+        if here.backend == self.machine.backend:
+            return None
+        e = self.settings.engine
+        return (f"the run was resolved on {self.machine.describe()} (engine: compile {e.compile}, width_multiple "
+                f"{e.width_multiple}, prefix_sharing {e.prefix_sharing}, tight_rows {self.tight_rows}); this machine "
+                f"is {here.describe()}: a bit-exact replay needs the same backend ({self.machine.backend})")
+
+    def differences(self, here: Machine | None = None) -> list[str]:
+        """What differs from this machine short of the backend (the device's name, MLX's version)."""
+        here = here or Machine.here()
+        return [f"{k} {getattr(self.machine, k)!r} recorded, {getattr(here, k)!r} here"
+                for k in ("device", "mlx") if getattr(self.machine, k) != getattr(here, k)]
+
+
+def recorded_run(run_dir: str | Path) -> tuple[TrainSettings, ResolvedRun | None, dict[str, Any]]:
+    """A run folder's settings.json: its settings as configured, as the run resolved them, and the whole record.
+
+    The resolution is None in a record that has none (the settings are then resolved on this machine). A
+    machine of another backend cannot reproduce the run: ValueError saying what was recorded and what is here,
+    before any work. A different device name or MLX version is only warned about.
+    """
+    path = Path(run_dir) / "settings.json"
+    record = json.loads(path.read_text())
+    settings = from_mapping(TrainSettings, record["settings"], f"{path}: settings")
+    if "resolved" not in record:
+        return settings, None, record
+    resolved = ResolvedRun.from_json(record["resolved"], f"{path}: resolved")
+    here = Machine.here()
+    why = resolved.reproducible_here(here)
+    if why:
+        raise ValueError(f"cannot replay {run_dir} on this machine: {why}")
+    for difference in resolved.differences(here):
+        print(f"orpo replay: warning: {run_dir}: {difference}; the replay may not be bit-exact", file=sys.stderr)
+    return settings, resolved, record

@@ -228,8 +228,8 @@ def validate_config(config: dict[str, Any], base_dir: str | os.PathLike | None =
         for key, value in (("replay.checkpoint", config["replay"]["checkpoint"]),
                            ("generate.adapter", config["generate"]["adapter"])):
             if value in ("best_margin", "best_loss"):
-                raise ConfigError(f"config error: {key}: {value} is chosen by validation, and curate.validation_fraction "
-                                  "is 0 (no validation pairs): use final or a step number")
+                raise ConfigError(f"config error: {key}: {value} is chosen by validation, and "
+                                  "curate.validation_fraction is 0 (no validation pairs): use final or a step number")
     if config["render"]["max_prompt_length"] >= config["render"]["max_length"]:
         raise ConfigError("config error: render.max_prompt_length must be smaller than render.max_length")
     return config

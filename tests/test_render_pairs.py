@@ -515,7 +515,7 @@ def test_bos_is_added_as_the_post_processor_would_unless_the_template_wrote_it(t
 
 
 def test_add_bos_without_a_post_processor(tmp_path: Path) -> None:
-    """auto adds nothing where tokenizer(text) adds nothing; true adds the named BOS; true without one is an error."""
+    """auto adds nothing where tokenizer(text) adds nothing; true adds the named BOS, and without one fails."""
     fam = builders.FAMILIES["mistral"]
     model = builders.write_model(tmp_path / "m", builders.train_bpe(fam["kind"], fam["specials"]), fam["tokens"],
                                  PAPER_TEMPLATE.read_text())

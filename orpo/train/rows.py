@@ -43,7 +43,8 @@ class PackedPairs:
     targets are padded to a rung of `ladder` with weight-0 entries (index 0, target 0), so the head's
     input shape, like the rows', takes few values. `nll_weights` [B, M], only for the NLL span
     prompt_and_response, averages each chosen sequence's NLL tokens (its prompt's, then its scored response's:
-    the prompt's are extra targets, of weight 0 in `weights`). `row_tokens` counts the pairs' tokens as the rows hold them
+    the prompt's are extra targets, of weight 0 in `weights`).
+    `row_tokens` counts the pairs' tokens as the rows hold them
     (a shared prompt once), `two_forward_tokens` as two separate sequences per pair would (as bench/engine.py
     counts them); padding is in neither.
     """

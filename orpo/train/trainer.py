@@ -236,7 +236,7 @@ def _follow(sess: Session, work: Path, start: int) -> None:
 
 
 def _steps_per_epoch(sess: Session) -> int:
-    """Optimizer steps of one epoch: each takes the global batch, and the remainder sits the epoch out (batch_schedule)."""
+    """Optimizer steps of one epoch: each takes the global batch; the remainder sits the epoch out (batch_schedule)."""
     return max(1, len(sess.train) // (sess.s["batch_size"] * sess.s["grad_accum"] * sess.shard.size))
 
 

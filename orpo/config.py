@@ -224,6 +224,12 @@ def validate_config(config: dict[str, Any], base_dir: str | os.PathLike | None =
         spin["adapter"] = existing("spin.adapter", spin["adapter"])
     if spin["sft"] and (os.sep in spin["sft"] or Path(spin["sft"]).suffix or (base / spin["sft"]).exists()):
         spin["sft"] = existing("spin.sft", spin["sft"])  # a path; anything else is taken as a hub id
+    if config["curate"]["validation_fraction"] == 0:  # no validation split: no checkpoint is chosen by it
+        for key, value in (("replay.checkpoint", config["replay"]["checkpoint"]),
+                           ("generate.adapter", config["generate"]["adapter"])):
+            if value in ("best_margin", "best_loss"):
+                raise ConfigError(f"config error: {key}: {value} is chosen by validation, and "
+                                  "curate.validation_fraction is 0 (no validation pairs): use final or a step number")
     if config["render"]["max_prompt_length"] >= config["render"]["max_length"]:
         raise ConfigError("config error: render.max_prompt_length must be smaller than render.max_length")
     return config

@@ -103,7 +103,7 @@ def _key(stage: str, deps: dict[str, Any]) -> str:
 
 def prompt_rendering(cfg: dict[str, Any]) -> dict[str, Any]:
     """The render settings that shape a prompt's text (not lengths): generation renders the same way."""
-    return {k: cfg["render"][k] for k in ("template", "template_kwargs", "date")}
+    return {k: cfg["render"][k] for k in ("template", "template_kwargs", "date", "add_bos")}
 
 
 def stage_keys(cfg: dict[str, Any]) -> dict[str, str]:

@@ -22,10 +22,12 @@ from orpo.config import section_defaults
 from orpo.render.template import (
     ChatTemplate,
     encode_generation_prompt,
+    leading_ids,
     load_template,
     load_tokenizer,
     pin_date,
     resolve_model_dir,
+    with_leading,
 )
 
 RENDER_DEFAULTS = section_defaults("render")
@@ -42,10 +44,12 @@ class Generator:
     template_kwargs: dict[str, Any]
     context: int | None = None  # positions the model takes (prompt + generated tokens); None: not stated
     context_source: str | None = None  # where `context` was read, e.g. "config.json max_position_embeddings"
+    lead: tuple[int, ...] = ()  # ids every prompt starts with (render.add_bos), as in training
 
     def prompt_ids(self, messages: list[dict[str, Any]]) -> list[int]:
         """Token ids of the generation prompt for a conversation."""
-        return encode_generation_prompt(self.chat, self.tokenizer, messages, **self.template_kwargs)
+        return with_leading(encode_generation_prompt(self.chat, self.tokenizer, messages, **self.template_kwargs),
+                            list(self.lead))
 
     def budget(self, prompt_tokens: int, max_tokens: int) -> int:
         """Tokens that may follow a prompt of `prompt_tokens`: `max_tokens`, cut to the room left in the context."""
@@ -85,16 +89,18 @@ def load_generator(
 ) -> Generator:
     """Load a model folder or hub id, optionally with a LoRA adapter folder, for generation.
 
-    `render` is the render stage's settings: its template override, template variables and date apply
-    here too, so generation prompts are rendered exactly as training prompts were.
+    `render` is the render stage's settings: its template override, template variables, date and add_bos
+    apply here too, so generation prompts are rendered exactly as training prompts were.
     """
     render = render or {}
     model_dir = resolve_model_dir(model, weights=True)
     net, wrapper = load(str(model_dir), adapter_path=str(adapter) if adapter else None)
     chat = pin_date(load_template(model_dir, render.get("template")), render.get("date", RENDER_DEFAULTS["date"]))
     context, source = context_length(model_dir) or (None, None)
-    return Generator(net, wrapper, chat, load_tokenizer(model_dir), dict(render.get("template_kwargs") or {}),
-                     context, source)
+    tokenizer = load_tokenizer(model_dir)
+    lead = leading_ids(tokenizer, chat, render.get("add_bos", RENDER_DEFAULTS["add_bos"]))
+    return Generator(net, wrapper, chat, tokenizer, dict(render.get("template_kwargs") or {}), context, source,
+                     tuple(lead))
 
 
 def truncate_at_stop(text: str, stops: list[str]) -> str:

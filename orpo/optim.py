@@ -12,7 +12,12 @@ from mlx.utils import tree_flatten, tree_unflatten
 
 
 def lr_schedule(kind: str, lr: float, total_steps: int, warmup_steps: int) -> Callable | float:
-    """Linear warmup then `kind` decay ("cosine", "linear" to zero, or "constant")."""
+    """Linear warmup then `kind` decay ("cosine", "linear" to zero, "constant", or "inverse_sqrt").
+
+    The rate is a function of the optimizer's update count k (0 for the first update).
+    """
+    if kind == "inverse_sqrt":
+        return inverse_sqrt_schedule(lr, warmup_steps)
     warmup_steps = max(0, min(warmup_steps, total_steps - 1))
     decay_steps = max(1, total_steps - warmup_steps)
     if kind == "cosine":
@@ -22,7 +27,7 @@ def lr_schedule(kind: str, lr: float, total_steps: int, warmup_steps: int) -> Ca
     elif kind == "constant":
         decay = lambda step: mx.array(lr, mx.float32)  # noqa: E731
     else:
-        raise ValueError(f"unknown schedule {kind!r}: expected cosine, linear or constant")
+        raise ValueError(f"unknown schedule {kind!r}: expected cosine, linear, constant or inverse_sqrt")
     if warmup_steps == 0:
         return decay
     # Start warmup at lr/warmup rather than 0 so the first step moves the weights.
@@ -30,9 +35,35 @@ def lr_schedule(kind: str, lr: float, total_steps: int, warmup_steps: int) -> Ca
     return optim.join_schedules([warm, decay], [warmup_steps])
 
 
+# transformers' timescale of an inverse-sqrt schedule without warmup.
+INVERSE_SQRT_TIMESCALE = 10_000
+
+
+def inverse_sqrt_schedule(lr: float, warmup_steps: int) -> Callable:
+    """transformers' get_inverse_sqrt_schedule (the ORPO authors' schedule): update k runs at lr * k / warmup while
+    k < warmup (the first update at 0, as there), then at lr / sqrt((k + timescale - warmup) / timescale), with
+    timescale = warmup (so lr * sqrt(warmup / k)), or 10000 without warmup. No end: the run's length plays no part.
+    """
+    warmup = max(0, int(warmup_steps))
+    timescale = warmup or INVERSE_SQRT_TIMESCALE
+
+    def rate(step: mx.array) -> mx.array:
+        k = mx.array(step).astype(mx.float32)
+        warm = k / max(1, warmup)
+        # The decay branch is also evaluated (and discarded) below warmup: keep its argument positive there.
+        decay = mx.rsqrt(mx.maximum(k + (timescale - warmup), 1.0) / timescale)
+        return lr * mx.where(k < warmup, warm, decay)
+
+    return rate
+
+
 def warmup_steps_for(total_steps: int, warmup: float | int) -> int:
-    """A warmup given as a fraction of the run (< 1) or as a step count."""
-    return int(math.ceil(warmup * total_steps)) if 0 < warmup < 1 else int(warmup)
+    """A warmup given as a fraction of the run (< 1) or as a whole number of steps (>= 1)."""
+    if 0 < warmup < 1:
+        return int(math.ceil(warmup * total_steps))
+    if warmup != int(warmup):
+        raise ValueError(f"warmup {warmup!r}: a fraction of the run is < 1, a step count a whole number")
+    return int(warmup)
 
 
 class FlatAdamW:

@@ -101,3 +101,36 @@ def test_generation_prompts_carry_the_render_date(tiny_base):
     before = datetime.now().strftime("%d %b %Y")
     live = system_line({"template": llama3, "date": None})
     assert live in (f"Today Date: {before}", f"Today Date: {datetime.now():%d %b %Y}")
+
+
+def test_generation_prompts_start_with_the_bos_training_prompts_got(tiny_base, tmp_path):
+    """A tokenizer whose post-processor adds a leading token: render and generation both start prompts with it."""
+    import shutil
+
+    import polars as pl
+    from tokenizers import Tokenizer, processors
+
+    from orpo.generation import load_generator
+    from orpo.render.pairs import render_pairs
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_base, model)
+    tok = Tokenizer.from_file(str(model / "tokenizer.json"))
+    lead = tok.token_to_id("<|endoftext|>")  # the tiny vocabulary has no BOS: its pad token stands in for one
+    tok.post_processor = processors.Sequence([
+        processors.ByteLevel(trim_offsets=False),
+        processors.TemplateProcessing(single="<|endoftext|> $A", special_tokens=[("<|endoftext|>", lead)])])
+    tok.save(str(model / "tokenizer.json"))
+    curated = tmp_path / "curated"
+    curated.mkdir()
+    prompt = [{"role": "user", "content": "Tell me about the dog."}]
+    for split in ("train", "validation"):
+        pl.DataFrame({"id": ["a"], "prompt": [prompt], "chosen": ["A dog."], "rejected": ["No."], "source": ["t"],
+                      "score_chosen": [1.0], "score_rejected": [0.0]}).write_parquet(curated / f"{split}.parquet")
+    for add_bos, expected in (("auto", [lead]), (False, [])):
+        render = {"add_bos": add_bos}
+        render_pairs(model, curated, tmp_path / f"rendered-{add_bos}", render)
+        trained = pl.read_parquet(tmp_path / f"rendered-{add_bos}" / "train.parquet")["prompt_ids"][0].to_list()
+        generated = load_generator(model, None, render).prompt_ids(prompt)
+        assert generated == trained and trained[: len(expected)] == expected
+        assert trained.count(lead) == len(expected)

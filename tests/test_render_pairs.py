@@ -9,7 +9,7 @@ from pathlib import Path
 
 import polars as pl
 import pytest
-from tokenizers import Tokenizer
+from tokenizers import Tokenizer, processors
 
 from orpo.io import InputError
 from orpo.render.pairs import (
@@ -97,7 +97,9 @@ def test_render_pairs_end_to_end(tmp_path: Path) -> None:
     assert manifest["splits"]["validation"] == {"input_rows": 1, "output_rows": 1, "dropped": {}}
     assert manifest["seam_merges"]["count"] == 0 and manifest["truncated_prompts"]["count"] == 0
     assert manifest["settings"] == {"max_length": 1024, "max_prompt_length": 512, "template": None, "samples": 2,
-                                    "template_kwargs": {}, "date": "2024-07-26"}
+                                    "template_kwargs": {}, "date": "2024-07-26", "over_length": "drop",
+                                    "add_bos": "auto"}
+    assert manifest["leading_ids"] == [] and manifest["truncated_responses"]["count"] == 0  # ChatML adds no BOS
     assert manifest["template"]["sha256"] == hashlib.sha256(
         (model / "chat_template.jinja").read_bytes()).hexdigest()
     assert json.loads((out / "manifest.json").read_text()) == manifest
@@ -461,3 +463,143 @@ def test_fit_length_edges() -> None:
     assert fit_length(p, 100, 2, bos_id=1) is None and p.prompt_ids == [11, 12]  # no BOS: plain left-truncation
     p = pair([1, 10], 1, 1)
     assert fit_length(p, 100, 2, bos_id=1) is None and p.prompt_ids == [1, 10] and not p.truncated
+
+
+# ---------------------------------------------------------------------------------------------------
+# The ORPO authors' tokenization: BOS from the post-processor, right-truncation (render.add_bos, over_length)
+
+PAPER_TEMPLATE = Path(__file__).resolve().parents[1] / "config" / "paper" / "mistral-orpo.jinja"
+
+
+def bos_model(folder: Path, template: str, bos_in_config: bool = True) -> Path:
+    """A Mistral-like folder whose tokenizer.json post-processor puts <s> first, as Mistral-7B-v0.1's does."""
+    fam = builders.FAMILIES["mistral"]
+    tok = builders.train_bpe(fam["kind"], fam["specials"])
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B",
+                                                       special_tokens=[("<s>", tok.token_to_id("<s>"))])
+    tokens = fam["tokens"] if bos_in_config else {k: v for k, v in fam["tokens"].items() if k != "bos_token"}
+    return builders.write_model(folder, tok, tokens, template)
+
+
+def authors_ids(tok: Tokenizer, text: str, max_length: int | None = None) -> list[int]:
+    """`tokenizer(text, max_length=..., truncation=True)`: the post-processor's BOS, then right-truncation."""
+    tok = Tokenizer.from_str(tok.to_str())
+    if max_length is not None:
+        tok.enable_truncation(max_length)
+    return tok.encode(text, add_special_tokens=True).ids
+
+
+def test_bos_is_added_as_the_post_processor_would_unless_the_template_wrote_it(tmp_path: Path) -> None:
+    rows = ROWS[:2]
+    for name, template in (("paper", PAPER_TEMPLATE.read_text()), ("mistral", builders.family_template("mistral"))):
+        model = bos_model(tmp_path / name, template)
+        tpl, tok = load_template(model), load_tokenizer(model)
+        bos = tok.token_to_id("<s>")
+        manifest = render_pairs(model, write_curated(tmp_path / f"c-{name}", rows), tmp_path / f"o-{name}", {})
+        assert manifest["settings"]["add_bos"] == "auto" and manifest["leading_ids"] == [bos]
+        for src, got in zip(rows, read(tmp_path / f"o-{name}")):
+            for side in ("chosen", "rejected"):
+                full = tpl.render(src["prompt"] + [{"role": "assistant", "content": src[side]}])
+                ours = got["prompt_ids"] + got[f"{side}_ids"]
+                assert ours[0] == bos and ours.count(bos) == 1  # exactly one BOS, first
+                if name == "paper":  # the template writes none: ours is tokenizer(text), the authors' tokens
+                    assert ours == authors_ids(tok, full)
+                else:  # the template writes <s>: tokenizer(text) would double it, ours keeps one
+                    assert authors_ids(tok, full)[:2] == [bos, bos] and ours == authors_ids(tok, full)[1:]
+            template_ids = encode(tok, tpl.render(src["prompt"], add_generation_prompt=True))
+            assert got["prompt_ids"] == ([bos] + template_ids if name == "paper" else template_ids)
+    model = tmp_path / "paper"
+    render_pairs(model, write_curated(tmp_path / "c-off", rows), tmp_path / "o-off", {"add_bos": False})
+    tok = load_tokenizer(model)
+    assert all(tok.token_to_id("<s>") not in r["prompt_ids"] for r in read(tmp_path / "o-off"))
+
+
+def test_add_bos_without_a_post_processor(tmp_path: Path) -> None:
+    """auto adds nothing where tokenizer(text) adds nothing; true adds the named BOS, and without one fails."""
+    fam = builders.FAMILIES["mistral"]
+    model = builders.write_model(tmp_path / "m", builders.train_bpe(fam["kind"], fam["specials"]), fam["tokens"],
+                                 PAPER_TEMPLATE.read_text())
+    tok = load_tokenizer(model)
+    curated = write_curated(tmp_path / "c", ROWS[:1])
+    auto = render_pairs(model, curated, tmp_path / "auto", {})
+    forced = render_pairs(model, curated, tmp_path / "true", {"add_bos": True})
+    assert auto["leading_ids"] == [] and forced["leading_ids"] == [tok.token_to_id("<s>")]
+    a, t = read(tmp_path / "auto")[0], read(tmp_path / "true")[0]
+    assert t["prompt_ids"] == [tok.token_to_id("<s>")] + a["prompt_ids"] and t["chosen_ids"] == a["chosen_ids"]
+    chatml = builders.family_model(tmp_path / "chatml", "chatml")  # names no BOS token
+    with pytest.raises(ChatTemplateError, match="add_bos is true.*no BOS token"):
+        render_pairs(chatml, curated, tmp_path / "x", {"add_bos": True})
+    with pytest.raises(ValueError, match="add_bos must be auto, true or false"):
+        resolve_settings({"add_bos": "yes"})
+
+
+def _authors_rows() -> list[dict]:
+    return [row("short", "Hi", "Hello.", "Go away."),
+            row("long-chosen", "Tell me a joke about cats.", "Sure! " * 40, "No."),
+            row("both-long", "Hi", "Sure! " * 30, "Sorry, I can't help with that. " * 8),
+            row("long-prompt", "What is the capital of France? " * 8, "Paris.", "Rome."),
+            row("prompt-at-limit", "List three colors.", "red, green, blue", "no")]
+
+
+def test_truncate_is_the_authors_filter_and_right_truncation(tmp_path: Path) -> None:
+    """Oracle: the authors' main.py, with `tokenizers` standing in for transformers: drop a row when its
+    templated prompt (no BOS) has >= prompt_max_length tokens, else tokenizer(full, max_length, truncation=True)."""
+    model = bos_model(tmp_path / "m", PAPER_TEMPLATE.read_text())
+    tpl, tok = load_template(model), load_tokenizer(model)
+    rows = _authors_rows()
+    at_limit = len(encode(tok, tpl.render(rows[-1]["prompt"], add_generation_prompt=True)))
+    max_prompt, max_length = at_limit + 1, 40  # the last prompt is one token under the limit, BOS aside
+    settings = {"over_length": "truncate", "max_prompt_length": max_prompt, "max_length": max_length}
+    manifest = render_pairs(model, write_curated(tmp_path / "c", rows), tmp_path / "o", settings)
+    got = {r["id"]: r for r in read(tmp_path / "o")}
+
+    expected_kept, cut = [], []
+    for src in rows:
+        prompt_len = len(encode(tok, tpl.render(src["prompt"], add_generation_prompt=True)))  # their filter's count
+        if not prompt_len < max_prompt:
+            assert src["id"] not in got
+            continue
+        expected_kept.append(src["id"])
+        r = got[src["id"]]
+        assert r["prompt_ids"] == authors_ids(tok, tpl.render(src["prompt"], add_generation_prompt=True))
+        was_cut = False
+        for side in ("chosen", "rejected"):
+            full = tpl.render(src["prompt"] + [{"role": "assistant", "content": src[side]}])
+            assert r["prompt_ids"] + r[f"{side}_ids"] == authors_ids(tok, full, max_length)
+            whole = authors_ids(tok, full)
+            was_cut |= len(whole) > max_length
+            mask = r[f"{side}_mask"]
+            if len(whole) > max_length:  # cut: every token left after the prompt is scored (no end-of-turn left)
+                assert mask == [1] * len(mask) and r["prompt_len"] + len(mask) == max_length
+            else:  # whole: scored through </s>, the template's "\n" after it not
+                assert mask[-1] == 0 and sum(mask) == len(mask) - 1
+        if was_cut:
+            cut.append(src["id"])
+    assert sorted(got) == sorted(expected_kept) == ["both-long", "long-chosen", "prompt-at-limit", "short"]
+    assert manifest["dropped"] == {"prompt_too_long": {"count": 1, "examples": ["long-prompt"]}}
+    assert sorted(cut) == ["both-long", "long-chosen"]
+    assert manifest["truncated_responses"] == {"count": 2, "examples": ["long-chosen", "both-long"]}
+    assert manifest["truncated_prompts"]["count"] == 0 and manifest["settings"]["over_length"] == "truncate"
+    assert "(response right-truncated)" in (tmp_path / "o" / "samples.txt").read_text()
+
+    # The default policy on the same rows: no response cut, long responses' rows dropped, the long prompt cut.
+    drop = render_pairs(model, write_curated(tmp_path / "c2", rows), tmp_path / "o2",
+                        {**settings, "over_length": "drop"})
+    assert drop["truncated_responses"]["count"] == 0 and drop["truncated_prompts"]["examples"] == ["long-prompt"]
+    assert set(drop["dropped"]) == {"response_too_long"}
+    with pytest.raises(ValueError, match="over_length must be one of drop, truncate"):
+        resolve_settings({"over_length": "cut"})
+
+
+def test_fit_length_truncate_edges() -> None:
+    def pair(prompt: int, chosen: int, rejected: int) -> EncodedPair:
+        return EncodedPair("e", [1] + [9] * (prompt - 1), Response([5] * chosen, [1] * (chosen - 1) + [0]),
+                           Response([6] * rejected, [1] * rejected), "")
+
+    p = pair(4, 3, 10)
+    assert fit_length(p, 8, 4, bos_id=1, over_length="truncate") is None
+    assert p.chosen.ids == [5] * 3 and not p.chosen.cut and p.chosen.mask == [1, 1, 0]
+    assert p.rejected.ids == [6] * 4 and p.rejected.cut and not p.truncated
+    assert fit_length(pair(5, 1, 1), 8, 4, over_length="truncate") == "prompt_too_long"
+    p = pair(4, 1, 1)  # a prompt at the limit stays whole
+    assert fit_length(p, 8, 4, over_length="truncate") is None and len(p.prompt_ids) == 4

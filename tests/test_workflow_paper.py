@@ -19,14 +19,81 @@ MICRO_PAPER = {**MICRO, "base": {**TINY_BASE, "steps": 24}, "eval": {"limit": 4}
                "generate": {"max_tokens": 16, "batch_size": 8}}
 
 
-def test_the_7b_config_is_the_published_experiment():
-    assert PAPER["model"]["hub_id"] == "mistralai/Mistral-7B-v0.1"
-    assert PAPER["experiments"]["alpha"]["data"]["raw"].startswith("HuggingFaceH4/ultrafeedback_binarized")
-    assert PAPER["experiments"]["beta"]["data"]["raw"].startswith("argilla/ultrafeedback-binarized-preferences-cleaned")
-    assert (PAPER["train"]["lambda"], PAPER["train"]["lr"]) == (0.1, 5e-6)
-    assert (PAPER["render"]["max_length"], PAPER["render"]["max_prompt_length"]) == (2048, 1024)
+# The authors' recipe, line by line (xfactlab/orpo scripts/run_mistral_orpo_beta.sh, main.py, src/orpo_trainer.py),
+# as each experiment's merged, validated config holds it.
+RECIPE = {
+    "model.hub_id": "mistralai/Mistral-7B-v0.1",   # --model_name; bf16 is its weights' dtype, trained in it
+    "train.method": "full",                        # no --enable_lora: every weight trains
+    "train.lambda": 0.1,                           # --alpha 0.1
+    "train.lr": 5e-6,                              # --lr 5e-6
+    "train.schedule": "inverse_sqrt",              # --lr_scheduler_type inverse_sqrt
+    "train.warmup": 200,                           # --warmup_steps 200 (a step count, not a fraction)
+    "train.epochs": 5,                             # --num_train_epochs 5
+    "pairs per step": 32,                          # 8 per device x 4 GPUs
+    "render.max_prompt_length": 1792,              # --prompt_max_length 1792
+    "render.max_length": 2048,                     # --response_max_length 2048 (prompt + response)
+    "render.over_length": "truncate",              # their filter of long prompts, then truncation=True
+    "render.add_bos": True,                        # tokenizer(text) adds <s>
+    "curate.validation_fraction": 0,               # the whole train split
+    "train.nll_span": "prompt_and_response",       # their NLL, without --disable_prompt_loss
+}
+
+
+def recipe_values(cfg: dict) -> dict:
+    """RECIPE's keys read from a merged config."""
+    out = {}
+    for key in RECIPE:
+        if key == "pairs per step":
+            t = cfg["train"]
+            out[key] = t["batch_size"] * t["grad_accum"] * t["distributed"]["processes"]
+        else:
+            section, name = key.split(".")
+            out[key] = cfg[section][name]
+    return out
+
+
+def merged(name: str) -> dict[str, dict]:
+    """Each experiment's config as the workflow sees it: config/config.yaml with the paper file merged on."""
+    from orpo.config import load_config_file
+    from orpo.experiments import deep_merge, expand
+
+    config = deep_merge(load_config_file(ROOT / "config" / "config.yaml"),
+                        load_config_file(ROOT / "config" / "paper" / name))
+    return expand(config)
+
+
+def test_the_7b_config_is_the_authors_recipe_line_by_line(monkeypatch):
+    monkeypatch.chdir(ROOT)  # the template path is relative to the checkout
+    experiments = merged("orpo-ifeval.yaml")
+    assert sorted(experiments) == ["alpha", "beta"]
+    for name, cfg in experiments.items():
+        got = recipe_values(cfg)
+        for key, want in RECIPE.items():
+            assert got[key] == want and type(got[key]) is type(want), (name, key, got[key], want)
+        # Curate filters no pair by length: render applies the authors' limits on the templated tokens.
+        assert min(cfg["curate"]["max_prompt_tokens"], cfg["curate"]["max_pair_tokens"]) >= 100 * 2048
+        assert cfg["render"]["template"] == "config/paper/mistral-orpo.jinja"
+        assert cfg["replay"]["checkpoint"] == "final" and cfg["generate"]["adapter"] == "final"
+    assert experiments["alpha"]["data"]["raw"] == "HuggingFaceH4/ultrafeedback_binarized:train_prefs"
+    assert experiments["beta"]["data"]["raw"] == "argilla/ultrafeedback-binarized-preferences-cleaned:train"
     published = {m["experiment"]: [m["published"][k] for k in KEYS] for m in PAPER["paper"]["models"]}
     assert published == {"alpha": [0.5009, 0.5083, 0.5995, 0.6163], "beta": [0.5287, 0.5564, 0.6355, 0.6619]}
+
+
+def test_the_lora_config_differs_only_in_the_method_and_its_own_rate(monkeypatch):
+    monkeypatch.chdir(ROOT)
+    full, lora = merged("orpo-ifeval.yaml"), merged("orpo-ifeval-lora.yaml")
+    for name in ("alpha", "beta"):
+        differ = {k for k in RECIPE if recipe_values(full[name])[k] != recipe_values(lora[name])[k]}
+        assert differ == {"train.method", "train.lr"}
+        assert lora[name]["train"]["method"] == "lora" and lora[name]["train"]["lr"] == 5e-5
+        assert (lora[name]["train"]["lora"]["rank"], lora[name]["train"]["lora"]["alpha"]) == (16, 32)
+    # Its rate is justified where it is set, in one line.
+    line = next(x for x in (ROOT / "config" / "paper" / "orpo-ifeval-lora.yaml").read_text().splitlines()
+                if x.strip().startswith("lr:"))
+    assert "#" in line and "10x" in line and "LoRA Without Regret" in line
+    assert yaml.safe_load((ROOT / "config" / "paper" / "orpo-ifeval-lora.yaml").read_text())["paper"]["name"] \
+        == "orpo-ifeval-lora"
 
 
 def test_the_7b_config_dry_runs_its_whole_dag(tmp_path):

@@ -24,8 +24,9 @@ SCHEMA = {
 
 
 def validation_size(n: int, fraction: float) -> int:
-    """round(n * fraction), but at least 1 (and at most n - 1) once there are 2 rows."""
-    if n < 2:
+    """round(n * fraction), but at least 1 (and at most n - 1) once there are 2 rows; 0 for a fraction of 0 (every
+    row trains: no hold-out)."""
+    if n < 2 or fraction == 0:
         return 0
     return min(n - 1, max(1, math.floor(n * fraction + 0.5)))
 

@@ -13,8 +13,13 @@ Decisions (see the functions for details):
   after an anchoring special token. Counted (`seam_merges`).
 - Mask: 1 from the seam through the first special token after the content (the end-of-turn token);
   0 for template text after it. After a prefix mismatch the mask starts at the content.
-- Length: the prompt is left-truncated (a leading BOS kept); responses are never cut; a row whose longer
-  response leaves no room for a prompt token is dropped (`response_too_long`).
+- BOS (`add_bos`): the ids the tokenizer's post-processor puts before a text (auto), the BOS token (true) or
+  none (false) start the prompt, unless the template wrote them already (never a second BOS).
+- Length (`over_length`): drop = the prompt is left-truncated (a leading BOS kept); responses are never cut;
+  a row whose longer response leaves no room for a prompt token is dropped (`response_too_long`).
+  truncate = the ORPO authors' code: a row whose prompt is over max_prompt_length is dropped
+  (`prompt_too_long`; they filter prompts by length, they never cut one), then prompt + response is
+  right-truncated to max_length (`truncated_responses`), as `tokenizer(text, max_length, truncation=True)`.
 - Degenerate rows are dropped and counted: nothing before the response (`empty_prompt`), no response token
   (`nothing_to_score`), chosen and rejected rendered to the same tokens (`identical_responses`). Drops and a
   response text the rendering does not contain (`content_not_located`) are printed as warnings; a render
@@ -45,13 +50,17 @@ from orpo.render.template import (
     calls_strftime_now,
     encode,
     load_template,
+    leading_ids,
     load_tokenizer,
     pin_date,
     resolve_model_dir,
+    with_leading,
 )
 
 DEFAULTS: dict[str, Any] = section_defaults("render")
 SPLITS = ("train", "validation")
+OVER_LENGTH = ("drop", "truncate")
+ADD_BOS = ("auto", True, False)
 # Stands in for the response to find where the template puts content; private-use characters, no whitespace,
 # so no template trims or splits it.
 SENTINEL = "\U000f5e00orpo\U000f5e01"
@@ -78,6 +87,7 @@ class Response:
     seam_merged: bool = False  # the full string's tokens crossed the seam; re-tokenized separately
     located: bool = True  # the response content was found in the rendered text
     ended: bool = True  # an end-of-turn (special) token follows the content
+    cut: bool = False  # right-truncated to the length limit (over_length: truncate)
 
 
 @dataclass
@@ -105,7 +115,8 @@ class _Rendered:
 class PairEncoder:
     """Renders and tokenizes preference rows with one template and tokenizer."""
 
-    def __init__(self, template: ChatTemplate, tokenizer: Tokenizer, template_kwargs: dict | None = None):
+    def __init__(self, template: ChatTemplate, tokenizer: Tokenizer, template_kwargs: dict | None = None,
+                 add_bos: str | bool = "auto"):
         self.template, self.tokenizer = template, tokenizer
         self.kwargs = dict(template_kwargs or {})
         # Control tokens: special added tokens, the named special tokens, and (transformers' heuristic for
@@ -117,6 +128,9 @@ class PairEncoder:
         self._special_re = re.compile("|".join(map(re.escape, self.special_strings)) or "(?!)")
         bos = template.special_tokens.get("bos_token")
         self.bos_id = tokenizer.token_to_id(bos) if bos else None
+        self.lead = leading_ids(tokenizer, template, add_bos)
+        if len(self.lead) == 1:  # what left-truncation keeps first
+            self.bos_id = self.lead[0]
         self._newline_ids = encode(tokenizer, "\n")
         self._anchor = self._pick_anchor()
 
@@ -179,7 +193,8 @@ class PairEncoder:
             prompt_ids = prompt_enc.ids
             sides = [self._response(prompt_ids, r.cut, f, enc, span, not r.prefix_mismatch)
                      for f, enc, span in zip(r.fulls, full_encs, r.spans)]
-            out.append(EncodedPair(r.id, list(prompt_ids), sides[0], sides[1], r.fulls[0][: r.cut],
+            # The leading ids go before the prompt only now: the seam above is found in the template's own tokens.
+            out.append(EncodedPair(r.id, with_leading(prompt_ids, self.lead), sides[0], sides[1], r.fulls[0][: r.cut],
                                    prefix_mismatch=r.prefix_mismatch))
         return out
 
@@ -265,14 +280,25 @@ def _content_span(full: str, response: str, pre: str | None, post: str | None) -
 # Length
 
 
-def fit_length(pair: EncodedPair, max_length: int, max_prompt_length: int, bos_id: int | None = None) -> str | None:
-    """Left-truncate the prompt in place so prompt+response fits; return a drop reason when it can't.
+def fit_length(pair: EncodedPair, max_length: int, max_prompt_length: int, bos_id: int | None = None,
+               over_length: str = "drop") -> str | None:
+    """Fit the pair to the limits in place (`over_length` says how); return a drop reason when it can't.
 
-    Both responses stay whole and share the prompt; the prompt keeps its end (the latest turns and the
+    drop: both responses stay whole and share the prompt; the prompt keeps its end (the latest turns and the
     generation header) and its leading BOS token (the model expects it first) when at least one more
     prompt token fits. A row is dropped as `response_too_long` when the longer response leaves no room
     for a single prompt token (it is never trained with a cut response or without a prompt).
+    truncate (the ORPO authors' code): a prompt over max_prompt_length drops the row (`prompt_too_long`);
+    otherwise each response is cut so prompt + response is at most max_length tokens, its mask with it.
     """
+    if over_length == "truncate":
+        if len(pair.prompt_ids) > max_prompt_length:
+            return "prompt_too_long"
+        room = max(0, max_length - len(pair.prompt_ids))
+        for side in (pair.chosen, pair.rejected):
+            if len(side.ids) > room:
+                side.ids, side.mask, side.cut = side.ids[:room], side.mask[:room], True
+        return None
     longest = max(len(pair.chosen.ids), len(pair.rejected.ids))
     budget = min(max_prompt_length, max_length - longest)
     if budget < 1:
@@ -317,6 +343,11 @@ def resolve_settings(settings: dict | None) -> dict:
     for key, low in (("max_length", 2), ("max_prompt_length", 1), ("samples", 0)):
         if not isinstance(out[key], int) or isinstance(out[key], bool) or out[key] < low:
             raise ValueError(f"render settings: {key} must be an integer >= {low}, got {out[key]!r}")
+    if out["over_length"] not in OVER_LENGTH:
+        raise ValueError(f"render settings: over_length must be one of {', '.join(OVER_LENGTH)}, "
+                         f"got {out['over_length']!r}")
+    if out["add_bos"] not in ADD_BOS or not isinstance(out["add_bos"], (str, bool)):  # 1 == True: not a setting
+        raise ValueError(f"render settings: add_bos must be auto, true or false, got {out['add_bos']!r}")
     if out["template"] is not None and not isinstance(out["template"], (str, os.PathLike)):
         raise ValueError(f"render settings: template must be null or a path, got {out['template']!r}")
     if not isinstance(out["template_kwargs"], dict):
@@ -370,6 +401,7 @@ def _sample(pair: EncodedPair, tokenizer: Tokenizer, index: int) -> str:
         return tokenizer.decode(ids, skip_special_tokens=False) if ids else ""
 
     notes = (" (left-truncated)" if pair.truncated else "") + (
+        " (response right-truncated)" if pair.chosen.cut or pair.rejected.cut else "") + (
         "  PROMPT PREFIX MISMATCH" if pair.prefix_mismatch else "")
     lines = [f"#### {index}  id={pair.id}  prompt_len={len(pair.prompt_ids)}{notes}",
              "[prompt]", show(pair.prompt_ids) + "⟦SEAM⟧"]
@@ -388,7 +420,7 @@ def _sample(pair: EncodedPair, tokenizer: Tokenizer, index: int) -> str:
 
 def _drop_reason(pair: EncodedPair, cfg: dict, bos_id: int | None) -> str | None:
     """Fit the row to the length limits; the reason it can't be used, if any."""
-    reason = fit_length(pair, cfg["max_length"], cfg["max_prompt_length"], bos_id)
+    reason = fit_length(pair, cfg["max_length"], cfg["max_prompt_length"], bos_id, cfg["over_length"])
     if reason is None and not pair.prompt_ids:
         reason = "empty_prompt"  # the template rendered nothing before the response
     if reason is None and not (any(pair.chosen.mask) and any(pair.rejected.mask)):
@@ -423,13 +455,14 @@ def render_pairs(model_dir: str | os.PathLike, curated_dir: str | os.PathLike, o
     returns the manifest. Settings: max_length (1024), max_prompt_length (512), template (None: the model's
     own; else a .jinja override path), samples (5), template_kwargs ({}: extra template variables, e.g.
     {"date_string": "26 Jul 2024"} or {"enable_thinking": false}), date ("2024-07-26": what strftime_now
-    returns; None = today).
+    returns; None = today), over_length ("drop" or "truncate", `fit_length`), add_bos ("auto", True, False:
+    `orpo.render.template.leading_ids`).
     """
     cfg = resolve_settings(settings)
     model_path = resolve_model_dir(model_dir)
     template = pin_date(load_template(model_path, cfg["template"]), cfg["date"])
     tokenizer = load_tokenizer(model_path)
-    encoder = PairEncoder(template, tokenizer, cfg["template_kwargs"])
+    encoder = PairEncoder(template, tokenizer, cfg["template_kwargs"], cfg["add_bos"])
     vocab_size = _vocab_size(model_path)
     curated, out = Path(curated_dir), Path(out_dir)
 
@@ -451,6 +484,7 @@ def render_pairs(model_dir: str | os.PathLike, curated_dir: str | os.PathLike, o
                 for flag, bad in (("seam_merges", any(s.seam_merged for s in sides)),
                                   ("prompt_prefix_mismatch", pair.prefix_mismatch),
                                   ("truncated_prompts", pair.truncated),
+                                  ("truncated_responses", any(s.cut for s in sides)),
                                   ("content_not_located", not all(s.located for s in sides)),
                                   ("no_end_of_turn", not all(s.ended for s in sides))):
                     if bad:
@@ -496,7 +530,8 @@ def render_pairs(model_dir: str | os.PathLike, curated_dir: str | os.PathLike, o
         "dropped": dropped.counts,
         "splits": splits,
         **{k: stats.get(k) for k in ("seam_merges", "prompt_prefix_mismatch", "truncated_prompts",
-                                     "content_not_located", "no_end_of_turn")},
+                                     "truncated_responses", "content_not_located", "no_end_of_turn")},
+        "leading_ids": encoder.lead,
         "tokens": {k: {"max": max(v, default=0), "mean": round(sum(v) / len(v), 2) if v else 0}
                    for k, v in lengths.items()},
         "template": {"source": template.source, "sha256": template.sha256,

@@ -442,6 +442,38 @@ def encode(tokenizer: Tokenizer, text: str) -> list[int]:
     return tokenizer.encode(text, add_special_tokens=False).ids
 
 
+def leading_ids(tokenizer: Tokenizer, template: ChatTemplate, add_bos: str | bool) -> list[int]:
+    """The ids every rendered sequence must start with (`render.add_bos`), added unless the text already has them.
+
+    auto: those `tokenizer(text)` puts before a text, i.e. its post-processor's (Mistral's and Llama 2's BOS;
+    none for byte-level tokenizers without one), as the ORPO authors' code tokenizes; mlx-lm's generate adds
+    them likewise unless the prompt starts with BOS. true: the BOS token (tokenizer_config's bos_token, else the
+    post-processor's), whatever the post-processor does. false: none, the template's text only.
+    """
+    if add_bos is False:
+        return []
+    probe = "a"
+    plain = tokenizer.encode(probe, add_special_tokens=False).ids
+    processed = tokenizer.encode(probe, add_special_tokens=True).ids
+    lead = next((processed[:k] for k in range(len(processed) - len(plain) + 1)
+                 if processed[k: k + len(plain)] == plain), [])
+    if add_bos == "auto":
+        return lead
+    bos = template.special_tokens.get("bos_token")
+    bos_id = tokenizer.token_to_id(bos) if bos else None
+    if bos_id is not None:
+        return [bos_id]
+    if lead:
+        return lead
+    raise ChatTemplateError(template.source, "render.add_bos is true, but the tokenizer names no BOS token "
+                            "(bos_token in tokenizer_config.json) and its post-processor adds none; use auto or false")
+
+
+def with_leading(ids: list[int], lead: list[int]) -> list[int]:
+    """`ids` starting with `lead`: prepended unless already there (a template that writes BOS gets no second one)."""
+    return list(ids) if ids[: len(lead)] == lead else list(lead) + list(ids)
+
+
 def render_generation_prompt(template: ChatTemplate, messages: list[dict], **kwargs: Any) -> str:
     """The prompt text generation feeds the model: the same rendering as training's prompt side."""
     return template.render(messages, add_generation_prompt=True, **kwargs)

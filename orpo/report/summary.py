@@ -86,6 +86,8 @@ def markdown(experiments: list[dict[str, Any]]) -> str:
     for e in experiments:
         a, r = e["accuracy"], e["replay"]
         acc = f"{_num(a['start'])} at step 0 → {_num(a['value'])} at step {a['step']} ({a['checkpoint']}, scored)"
+        if a["start"] is None and a["value"] is None:
+            acc = f"none: no validation pairs (step {a['step']}, {a['checkpoint']}, scored)"
         replay = (f"{'equal' if r['equal'] else 'DIFFERENT'}: step {r['step']} ({r['checkpoint']}) "
                   f"retrained from step {r['from_step']}")
         lines.append("| " + " | ".join(([f"`{e['name']}`"] if grid else []) + [acc, replay]) + " |")

@@ -79,6 +79,9 @@ def resolve_step(index: dict[str, Any], which: str | int) -> int:
         step = int(which)
     elif which in ("final", "best_margin", "best_loss"):
         step = index.get(f"{which}_step")
+        if step is None and which != "final" and not index.get("baseline"):
+            raise ValueError(f"checkpoint {which}: the run had no validation pairs (curate.validation_fraction 0), so "
+                             "no checkpoint was chosen by validation; use final or a step number")
         if step is None:
             raise ValueError(f"the run's index.json has no {which}_step")
     else:

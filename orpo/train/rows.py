@@ -35,7 +35,10 @@ class PackedPairs:
     `weights[k, m]` is 1/(scored tokens of sequence k) when target m belongs to sequence k: rows 0..B-1 are
     the chosen sequences, B..2B-1 the rejected ones, so `weights @ logp` is the per-sequence mean. The
     targets are padded to a rung of `ladder` with weight-0 entries (index 0, target 0), so the head's
-    input shape, like the rows', takes few values. `row_tokens` counts the pairs' tokens as the rows hold them
+    input shape, like the rows', takes few values. `nll_weights` [B, M], only for the NLL span
+    prompt_and_response, averages each chosen sequence's NLL tokens (its prompt's, then its scored response's:
+    the prompt's are extra targets, of weight 0 in `weights`).
+    `row_tokens` counts the pairs' tokens as the rows hold them
     (a shared prompt once), `two_forward_tokens` as two separate sequences per pair would (as bench/engine.py
     counts them); padding is in neither.
     """
@@ -47,6 +50,7 @@ class PackedPairs:
     fallbacks: int
     row_tokens: int = 0
     two_forward_tokens: int = 0
+    nll_weights: mx.array | None = None
 
     def signature(self) -> tuple:
         """What a compiled step is traced for: the rows' shape, the targets' count and the split structure."""
@@ -70,18 +74,52 @@ TARGETS_PER_OCTAVE = 4
 
 
 def _targets(layout: Layout, index: list[int], targets: list[int], groups: list[int], multiple: int,
-             row_tokens: int, two_forward_tokens: int, fallbacks: int) -> PackedPairs:
-    """PackedPairs with the targets padded to a ladder rung; groups[k] = scored tokens of sequence k, in order."""
-    m = len(index)
+             row_tokens: int, two_forward_tokens: int, fallbacks: int,
+             prompt: tuple[list[int], list[int], list[int]] | None = None) -> PackedPairs:
+    """PackedPairs with the targets padded to a ladder rung; groups[k] = scored tokens of sequence k, in order.
+
+    `prompt` (index, targets, count per pair) adds the chosen prompts' tokens as targets for the NLL only.
+    """
+    b = len(groups) // 2
+    p_index, p_targets, p_groups = prompt or ([], [], [0] * b)
+    m = len(index) + len(p_index)
     total = ladder(max(m, 1), multiple, TARGETS_PER_OCTAVE)
     w = np.zeros((len(groups), total), np.float32)
     start = 0
     for k, n in enumerate(groups):
         w[k, start:start + n] = 1.0 / n if n else 0.0
         start += n
+    nll = None
+    if prompt is not None:
+        nll = np.zeros((b, total), np.float32)
+        starts = np.cumsum([0] + groups[:b])
+        p_start = len(index)
+        for k in range(b):
+            n = groups[k] + p_groups[k]
+            nll[k, starts[k]:starts[k] + groups[k]] = 1.0 / n if n else 0.0
+            nll[k, p_start:p_start + p_groups[k]] = 1.0 / n if n else 0.0
+            p_start += p_groups[k]
+        nll = mx.array(nll)
     pad = [0] * (total - m)  # weight 0: the head scores them, the loss never sees them
-    return PackedPairs(layout, mx.array(index + pad, mx.int32), mx.array(targets + pad, mx.int32), mx.array(w),
-                       fallbacks, row_tokens, two_forward_tokens)
+    return PackedPairs(layout, mx.array(index + p_index + pad, mx.int32),
+                       mx.array(targets + p_targets + pad, mx.int32), mx.array(w), fallbacks, row_tokens,
+                       two_forward_tokens, nll)
+
+
+def _prompt_targets(pairs: Pairs, width: int, nll_span: str) -> tuple[list[int], list[int], list[int]] | None:
+    """Each chosen prompt's tokens as targets (flat index, token, count per pair); None for the response span.
+
+    Both layouts hold pair i's chosen sequence from column 0 of row i, so prompt token t (t >= 1: token 0 has
+    no predecessor) is predicted at row i, column t - 1.
+    """
+    if nll_span == "response":
+        return None
+    index, targets, counts = [], [], []
+    for i, p in enumerate(pairs.prompt):
+        index += [i * width + t - 1 for t in range(1, len(p))]
+        targets += p[1:]
+        counts.append(max(0, len(p) - 1))
+    return index, targets, counts
 
 
 def shared_prompt_length(a: list[int], mask_a: list[int], b: list[int], mask_b: list[int]) -> int | None:
@@ -93,7 +131,7 @@ def shared_prompt_length(a: list[int], mask_a: list[int], b: list[int], mask_b: 
     return p
 
 
-def plain_rows(pairs: Pairs, input_multiple: int | None = None) -> PackedPairs:
+def plain_rows(pairs: Pairs, input_multiple: int | None = None, nll_span: str = "response") -> PackedPairs:
     """The trainer's layout, exactly: `pair_batch`'s B chosen then B rejected rows, inputs = tokens[:, :-1]."""
     tokens, mask = (np.array(a) for a in pair_batch(pairs, list(range(len(pairs))), input_multiple))
     scored = mask[:, 1:] > 0
@@ -101,11 +139,12 @@ def plain_rows(pairs: Pairs, input_multiple: int | None = None) -> PackedPairs:
     width = tokens.shape[1] - 1
     real = sum(2 * len(p) + len(c) + len(r) for p, c, r in zip(pairs.prompt, pairs.chosen, pairs.rejected))
     return _targets(Layout(mx.array(tokens[:, :-1])), (rows * width + cols).tolist(), tokens[rows, cols + 1].tolist(),
-                    scored.sum(axis=1).tolist(), input_multiple or 16, real, real, 0)
+                    scored.sum(axis=1).tolist(), input_multiple or 16, real, real, 0,
+                    _prompt_targets(pairs, width, nll_span))
 
 
 def shared_rows(pairs: Pairs, input_multiple: int | None = None, attention: str = "auto",
-                tight: bool = True) -> PackedPairs:
+                tight: bool = True, nll_span: str = "response") -> PackedPairs:
     """Prefix sharing: one row per pair holding its prompt once, chosen, then rejected blind to chosen.
 
     Aligned rows ([prompt; chosen[:-1]; pad | rejected own; pad], every rejected block at one column, a rung
@@ -142,7 +181,7 @@ def shared_rows(pairs: Pairs, input_multiple: int | None = None, attention: str 
     aligned_width = ladder(max(map(len, heads)), multiple) + ladder(max(map(len, tails)), multiple)
     aligned = attention == "split" or (attention == "auto" and len(set(shared)) == 1 and aligned_width <= tight_width)
     if not aligned and attention == "auto" and not tight:
-        return plain_rows(pairs, input_multiple)
+        return plain_rows(pairs, input_multiple, nll_span)
     if aligned:
         head_block = pad_rows(heads, 0, multiple)
         tokens = np.concatenate([head_block, pad_rows(tails, 0, multiple)], axis=1)
@@ -160,7 +199,7 @@ def shared_rows(pairs: Pairs, input_multiple: int | None = None, attention: str 
     two_forward = sum(len(h) + len(t) + p + 2 for h, t, p in zip(heads, tails, shared))  # both whole sequences
     return _targets(_block_layout(tokens, np.array(shared), np.array(starts), split), index, targets[0] + targets[1],
                     [len(g) for g in scored[0] + scored[1]], multiple, two_forward - sum(shared), two_forward,
-                    fallbacks)
+                    fallbacks, _prompt_targets(pairs, width, nll_span))
 
 
 def _split_rows(shared: list[int], start: int, align: int) -> SplitRows:

@@ -31,7 +31,7 @@ from orpo.train.distributed import Shard, join
 from orpo.train.keys import DropoutKeys
 from orpo.train.lora import adapter_folder, apply_lora, warm_start
 from orpo.train.settings import EngineSettings, Machine, ResolvedRun, TrainSettings
-from orpo.train.step import (MicroBatch, batch_value_and_grad, check_attention, orpo_loss, pair_logps, prepare,
+from orpo.train.step import (MicroBatch, batch_value_and_grad, check_attention, orpo_loss, pair_scores, prepare,
                              resolve_engine, tight_rows_fit)
 
 
@@ -117,7 +117,7 @@ class Session:
     def prepare(self, step: int) -> list[MicroBatch]:
         """Step `step`'s micro-batches as rows (host work only: runs while the device computes the step before)."""
         tight = self.resolved.tight_rows
-        return [prepare(self.train.select(rows), self.engine, tight) for rows in self.micro_batches(step)]
+        return [prepare(self.train.select(rows), self.engine, tight, self.s.nll_span) for rows in self.micro_batches(step)]
 
     def run(self, step: int, batches: list[MicroBatch]) -> StepResult:
         """Start optimizer step `step` (1-based) on its prepared micro-batches; its metrics are read later."""
@@ -167,16 +167,19 @@ class Session:
     def evaluate(self, pairs: Pairs) -> dict[str, float]:
         """ORPO metrics over a whole split (exact means over rows, batched forwards, no dropout)."""
         self.model.eval()
-        lw, lr = [], []
+        lw, lr, nll = [], [], []
         bs = self.s.batch_size
         by_length = sorted(range(len(pairs)), key=pair_lengths(pairs).__getitem__)
         for i in range(0, len(pairs), bs):
             rows = by_length[i : i + bs]
-            chosen, rejected = pair_logps(self.model, pairs.select(rows), self.engine, self.resolved.tight_rows)
-            mx.eval(chosen, rejected)
+            chosen, rejected, nll_logp = pair_scores(self.model, pairs.select(rows), self.engine, self.s.nll_span,
+                                                     self.resolved.tight_rows)
+            mx.eval(chosen, rejected, nll_logp)
             lw.append(chosen)
             lr.append(rejected)
-        _, metrics = orpo_loss(mx.concatenate(lw), mx.concatenate(lr), self.s.lambda_)
+            nll += [] if nll_logp is None else [nll_logp]
+        _, metrics = orpo_loss(mx.concatenate(lw), mx.concatenate(lr), self.s.lambda_,
+                               mx.concatenate(nll) if nll else None)
         mx.eval(metrics)
         return {k: round(v.item(), 6) for k, v in metrics.items()}
 

@@ -82,10 +82,12 @@ class DistributedSettings:
 class TrainSettings:
     """The `train` section: optimisation, schedule, checkpoints, and the nested lora, engine and distributed."""
 
+    method: str
     lr: float
     lambda_: float
+    nll_span: str
     schedule: str
-    warmup: float
+    warmup: float | int
     epochs: int
     max_steps: int
     batch_size: int
@@ -96,6 +98,7 @@ class TrainSettings:
     weight_decay: float
     seed: int
     checkpoint_every: int
+    checkpoint_each_epoch: bool
     keep_last: int
     log_every: int
     init_adapter: str | None

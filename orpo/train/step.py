@@ -17,11 +17,13 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 
 from orpo.device import on_cuda
 from orpo.engine.attention import CUDNN_MAX_HEAD_DIM, exclusion_fits
 from orpo.engine.compiled import kept, layout_arrays, layout_from
-from orpo.engine.head import LMHead, fused_logp_eager, lm_head_of, response_mean_logps, token_logp
+from orpo.engine.head import (LMHead, fused_logp_eager, lm_head_of, mean_logps_from_logits, response_mean_logps,
+                              token_logp)
 from orpo.engine.segmented import segmented_value_and_grad
 from orpo.engine.stack import Stack, head_dim_of
 from orpo.train.data import Pairs, pair_batch
@@ -74,19 +76,29 @@ def check_attention(model: nn.Module, engine: EngineSettings) -> None:
 # --- pairs -> rows ---
 
 
-def pack(pairs: Pairs, engine: EngineSettings, tight: bool = True) -> PackedPairs:
+def pack(pairs: Pairs, engine: EngineSettings, tight: bool = True, nll_span: str = "response") -> PackedPairs:
     """The forward rows of `pairs`: shared-prefix rows (tight ones only where `tight`), or the plain rows."""
     m = _resolved(engine).input_multiple
     if not engine.prefix_sharing:
-        return plain_rows(pairs, m)
-    return shared_rows(pairs, m, engine.prefix_attention, tight)
+        return plain_rows(pairs, m, nll_span)
+    return shared_rows(pairs, m, engine.prefix_attention, tight, nll_span)
+
+
+def prompt_nll_mask(pairs: Pairs, mask: mx.array) -> mx.array:
+    """The chosen rows' NLL mask [B, T] of the prompt_and_response span: their response mask plus every prompt
+    token after the first (pair_batch's rows: the prompt first)."""
+    out = np.array(mask[: len(pairs)])
+    for i, p in enumerate(pairs.prompt):
+        out[i, 1: len(p)] = 1
+    return mx.array(out)
 
 
 @dataclass(frozen=True)
 class MicroBatch:
     """One micro-batch as the step reads it, built on the host ahead of its step (nothing runs on the device).
 
-    `packed` holds the engine's rows, `plain` the oracle path's [chosen; rejected] tokens and scoring mask.
+    `packed` holds the engine's rows, `plain` the oracle path's [chosen; rejected] tokens and scoring mask, and
+    `plain_nll` its chosen rows' NLL mask where the NLL spans the prompt too (train.nll_span).
     The counts: `scored` response tokens, `row_tokens` and `two_forward_tokens` the pairs' tokens as the
     rows hold them and as two forwards would, `positions` the rows' size with their padding.
     """
@@ -98,22 +110,25 @@ class MicroBatch:
     positions: int
     packed: PackedPairs | None = None
     plain: tuple[mx.array, mx.array] | None = None
+    plain_nll: mx.array | None = None
 
     def signature(self) -> tuple:
         """The shapes (and split structure) a compiled step is traced for: one trace per distinct signature."""
         return self.packed.signature() if self.packed is not None else (tuple(self.plain[0].shape),)
 
 
-def prepare(pairs: Pairs, engine: EngineSettings, tight: bool = True) -> MicroBatch:
-    """The forward rows of `pairs` for the (resolved) engine settings (host work only); `tight` as `pack` takes it."""
+def prepare(pairs: Pairs, engine: EngineSettings, tight: bool = True, nll_span: str = "response") -> MicroBatch:
+    """The forward rows of `pairs` for the (resolved) engine settings (host work only); `tight` as `pack` takes it,
+    `nll_span` as train.nll_span."""
     e = _resolved(engine)
     n = len(pairs)
     scored = sum(map(sum, pairs.chosen_mask + pairs.rejected_mask))
     if e.plain:
         tokens, mask = pair_batch(pairs, list(range(n)), e.input_multiple)
         full = sum(2 * len(p) + len(c) + len(r) for p, c, r in zip(pairs.prompt, pairs.chosen, pairs.rejected))
-        return MicroBatch(n, scored, full, full, int(tokens.size), plain=(tokens, mask))
-    packed = pack(pairs, e, tight)
+        nll = prompt_nll_mask(pairs, mask) if nll_span == "prompt_and_response" else None
+        return MicroBatch(n, scored, full, full, int(tokens.size), plain=(tokens, mask), plain_nll=nll)
+    packed = pack(pairs, e, tight, nll_span)
     return MicroBatch(n, scored, packed.row_tokens, packed.two_forward_tokens, int(packed.layout.tokens.size),
                       packed=packed)
 
@@ -126,10 +141,14 @@ def scored_rows(hidden: mx.array, packed: PackedPairs) -> mx.array:
     return mx.take(hidden.reshape(-1, hidden.shape[-1]), packed.index, axis=0)
 
 
+def packed_token_logps(head: LMHead, hidden: mx.array, packed: PackedPairs, engine: EngineSettings) -> mx.array:
+    """log p of each of packed.targets [M] from final hidden states."""
+    return token_logp(head, scored_rows(hidden, packed), packed.targets, engine.head == "fused", engine.head_chunk)
+
+
 def packed_logps(head: LMHead, hidden: mx.array, packed: PackedPairs, engine: EngineSettings) -> mx.array:
     """Mean response log-prob of each sequence [2B] (chosen rows, then rejected) from final hidden states."""
-    logp = token_logp(head, scored_rows(hidden, packed), packed.targets, engine.head == "fused", engine.head_chunk)
-    return packed.weights @ logp
+    return packed.weights @ packed_token_logps(head, hidden, packed, engine)
 
 
 # --- log-probs -> loss (Hong et al. 2024) ---
@@ -160,9 +179,16 @@ def orpo_terms(logp_chosen: mx.array, logp_rejected: mx.array) -> tuple[mx.array
     return -logp_chosen, or_loss, log_odds
 
 
-def orpo_loss(logp_chosen: mx.array, logp_rejected: mx.array, lam: float) -> tuple[mx.array, dict[str, mx.array]]:
-    """Batch mean of NLL(chosen) + lambda * L_OR, and the metrics the trainer logs."""
+def orpo_loss(logp_chosen: mx.array, logp_rejected: mx.array, lam: float,
+              nll_logp: mx.array | None = None) -> tuple[mx.array, dict[str, mx.array]]:
+    """Batch mean of NLL(chosen) + lambda * L_OR, and the metrics the trainer logs.
+
+    The NLL is -logp_chosen (the paper's L_SFT: the response's mean log-prob), or -nll_logp where given (the
+    chosen sequence's mean log-prob over the span train.nll_span names); the odds ratio always compares responses.
+    """
     nll, or_loss, log_odds = orpo_terms(logp_chosen, logp_rejected)
+    if nll_logp is not None:
+        nll = -nll_logp
     loss = (nll + lam * or_loss).mean()
     metrics = {
         "loss": loss,
@@ -177,18 +203,31 @@ def orpo_loss(logp_chosen: mx.array, logp_rejected: mx.array, lam: float) -> tup
     return loss, metrics
 
 
-def naive_pair_loss(model: nn.Module, tokens: mx.array, mask: mx.array, n: int, lam: float) -> tuple[mx.array, dict[str, mx.array]]:
-    """ORPO loss and metrics of a [chosen; rejected] batch of n pairs, full logits (the trainer's original loss)."""
-    logps = response_mean_logps(model, tokens, mask)
-    return orpo_loss(logps[:n], logps[n:], lam)
+def naive_pair_loss(model: nn.Module, tokens: mx.array, mask: mx.array, n: int, lam: float,
+                    nll_mask: mx.array | None = None) -> tuple[mx.array, dict[str, mx.array]]:
+    """ORPO loss and metrics of a [chosen; rejected] batch of n pairs, full logits (the trainer's original loss);
+    `nll_mask` [n, T] the chosen rows' NLL tokens where they are not the response's (prompt_nll_mask)."""
+    if nll_mask is None:
+        logps = response_mean_logps(model, tokens, mask)
+        return orpo_loss(logps[:n], logps[n:], lam)
+    logits = model(tokens[:, :-1])
+    logps = mean_logps_from_logits(logits, tokens[:, 1:], mask[:, 1:])
+    nll_logp = mean_logps_from_logits(logits[:n], tokens[:n, 1:], nll_mask[:, 1:])
+    return orpo_loss(logps[:n], logps[n:], lam, nll_logp)
+
+
+def packed_loss(logp: mx.array, packed: PackedPairs, n: int, lam: float) -> tuple[mx.array, dict[str, mx.array]]:
+    """ORPO loss and metrics of n pairs from the log-probs of packed.targets."""
+    logps = packed.weights @ logp
+    nll_logp = None if packed.nll_weights is None else packed.nll_weights @ logp
+    return orpo_loss(logps[:n], logps[n:], lam, nll_logp)
 
 
 def whole_loss(model: nn.Module, packed: PackedPairs, n: int, lam: float,
                e: EngineSettings) -> tuple[mx.array, dict[str, mx.array]]:
     """ORPO loss and metrics of n pairs' packed rows through the whole stack and the head (one graph)."""
     hidden = Stack(model).hidden(packed.layout)
-    logps = packed_logps(lm_head_of(model), hidden, packed, e)
-    return orpo_loss(logps[:n], logps[n:], lam)
+    return packed_loss(packed_token_logps(lm_head_of(model), hidden, packed, e), packed, n, lam)
 
 
 # --- loss -> gradients ---
@@ -204,7 +243,8 @@ def batch_value_and_grad(model: nn.Module, batch: MicroBatch, lam: float,
     e = engine
     n = batch.n
     if batch.plain is not None:
-        (loss, metrics), grads = nn.value_and_grad(model, naive_pair_loss)(model, *batch.plain, n, lam)
+        (loss, metrics), grads = nn.value_and_grad(model, naive_pair_loss)(model, *batch.plain, n, lam,
+                                                                           batch.plain_nll)
         return (loss, {**metrics, "prefix_fallbacks": mx.array(0.0)}), grads
     packed = batch.packed
     if e.segment_layers > 0:
@@ -216,10 +256,10 @@ def batch_value_and_grad(model: nn.Module, batch: MicroBatch, lam: float,
     return (loss, {**metrics, "prefix_fallbacks": mx.array(float(packed.fallbacks))}), grads
 
 
-def pair_value_and_grad(model: nn.Module, pairs: Pairs, lam: float,
-                        engine: EngineSettings) -> tuple[tuple[mx.array, dict[str, mx.array]], Any]:
+def pair_value_and_grad(model: nn.Module, pairs: Pairs, lam: float, engine: EngineSettings,
+                        nll_span: str = "response") -> tuple[tuple[mx.array, dict[str, mx.array]], Any]:
     """`batch_value_and_grad` of `prepare(pairs)`: the rows built and differentiated in one call."""
-    return batch_value_and_grad(model, prepare(pairs, engine, tight_rows_fit(model)), lam, engine)
+    return batch_value_and_grad(model, prepare(pairs, engine, tight_rows_fit(model), nll_span), lam, engine)
 
 
 def _compiled_whole(model: nn.Module, packed: PackedPairs, n: int, lam: float,
@@ -227,15 +267,19 @@ def _compiled_whole(model: nn.Module, packed: PackedPairs, n: int, lam: float,
     """nn.value_and_grad of `whole_loss` under mx.compile (the model's arrays are its implicit inputs)."""
     structure, arrays = layout_arrays(packed.layout)
 
+    nll = [] if packed.nll_weights is None else [packed.nll_weights]
+
     def build() -> Any:
-        def loss(arrays: dict[str, mx.array], index: mx.array, targets: mx.array, weights: mx.array) -> Any:
-            p = PackedPairs(layout_from(structure, arrays), index, targets, weights, 0)
+        def loss(arrays: dict[str, mx.array], index: mx.array, targets: mx.array, weights: mx.array,
+                 nll: list[mx.array]) -> Any:
+            p = PackedPairs(layout_from(structure, arrays), index, targets, weights, 0,
+                            nll_weights=nll[0] if nll else None)
             return whole_loss(model, p, n, lam, e)
 
         return mx.compile(nn.value_and_grad(model, loss), inputs=model.state, outputs=model.state)
 
-    key = ("whole", e, n, lam, structure)
-    return kept(model, key, build)(arrays, packed.index, packed.targets, packed.weights)
+    key = ("whole", e, n, lam, structure, len(nll))
+    return kept(model, key, build)(arrays, packed.index, packed.targets, packed.weights, nll)
 
 
 def _segmented(model: nn.Module, packed: PackedPairs, n: int, lam: float,
@@ -245,11 +289,11 @@ def _segmented(model: nn.Module, packed: PackedPairs, n: int, lam: float,
     if e.mlp_chunks > 1:
         refuse_mlp_dropout(stack.layers)
 
-    def loss_of(logps: mx.array) -> tuple[mx.array, dict[str, mx.array]]:
-        return orpo_loss(logps[:n], logps[n:], lam)
+    def loss_of(logp: mx.array) -> tuple[mx.array, dict[str, mx.array]]:
+        return packed_loss(logp, packed, n, lam)
 
     def loss_of_last(h: mx.array) -> tuple[mx.array, dict[str, mx.array]]:
-        return loss_of(packed_logps(head, stack.norm(h), packed, e))
+        return loss_of(packed_token_logps(head, stack.norm(h), packed, e))
 
     def head_value_and_grad(h: mx.array) -> tuple[tuple[mx.array, dict[str, mx.array]], mx.array]:
         """The fused head's value and cotangent on h, its [chunk, V] blocks evaluated one chunk at a time."""
@@ -257,7 +301,7 @@ def _segmented(model: nn.Module, packed: PackedPairs, n: int, lam: float,
         x = rows(h)
         mx.eval(x)
         logp, grad_fn = fused_logp_eager(head, x, packed.targets, e.head_chunk, e.overlap)
-        (loss, metrics), g = mx.value_and_grad(lambda lp: loss_of(packed.weights @ lp))(logp)
+        (loss, metrics), g = mx.value_and_grad(loss_of)(logp)
         mx.eval(loss, metrics, g)
         _, (cot,) = mx.vjp(lambda h: [rows(h)], [h], [grad_fn(g)])
         return (loss, metrics), cot
@@ -272,15 +316,32 @@ def _segmented(model: nn.Module, packed: PackedPairs, n: int, lam: float,
 
 def pair_logps(model: nn.Module, pairs: Pairs, engine: EngineSettings,
                tight: bool | None = None) -> tuple[mx.array, mx.array]:
-    """Mean response log-probs (chosen [B], rejected [B]) without gradients, for validation; `tight` as `pack`
-    takes it (None: as this machine decides, tight_rows_fit)."""
+    """Mean response log-probs (chosen [B], rejected [B]) without gradients, for validation."""
+    chosen, rejected, _ = pair_scores(model, pairs, engine, tight=tight)
+    return chosen, rejected
+
+
+def pair_scores(model: nn.Module, pairs: Pairs, engine: EngineSettings, nll_span: str = "response",
+                tight: bool | None = None) -> tuple[mx.array, mx.array, mx.array | None]:
+    """Mean response log-probs (chosen [B], rejected [B]) and, for the prompt_and_response NLL span, the chosen
+    sequences' mean log-prob over it [B] (None for the response span), without gradients: validation's. `tight`
+    as `pack` takes it (None: as this machine decides, tight_rows_fit)."""
     e = _resolved(engine)
     n = len(pairs)
+    nll_logp = None
     if e.head == "naive" and not e.prefix_sharing:  # segments only change the backward
-        logps = response_mean_logps(model, *pair_batch(pairs, list(range(n)), e.input_multiple))
+        tokens, mask = pair_batch(pairs, list(range(n)), e.input_multiple)
+        if nll_span == "response":
+            logps = response_mean_logps(model, tokens, mask)
+        else:
+            logits = model(tokens[:, :-1])
+            logps = mean_logps_from_logits(logits, tokens[:, 1:], mask[:, 1:])
+            nll_logp = mx.stop_gradient(mean_logps_from_logits(logits[:n], tokens[:n, 1:],
+                                                               prompt_nll_mask(pairs, mask)[:, 1:]))
     else:
-        packed = pack(pairs, e, tight_rows_fit(model) if tight is None else tight)
-        stack = Stack(model)
-        logps = packed_logps(lm_head_of(model), stack.hidden(packed.layout), packed, e)
+        packed = pack(pairs, e, tight_rows_fit(model) if tight is None else tight, nll_span)
+        logp = packed_token_logps(lm_head_of(model), Stack(model).hidden(packed.layout), packed, e)
+        logps = packed.weights @ logp
+        nll_logp = None if packed.nll_weights is None else mx.stop_gradient(packed.nll_weights @ logp)
     logps = mx.stop_gradient(logps)
-    return logps[:n], logps[n:]
+    return logps[:n], logps[n:], nll_logp

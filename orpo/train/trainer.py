@@ -31,10 +31,19 @@ from orpo.train.settings import ResolvedRun, TrainSettings, recorded_run
 __all__ = ["Session", "TrainingError", "build_session", "replay", "train"]
 
 
-def _checkpoint_steps(s: TrainSettings, total: int) -> list[int]:
+def _checkpoint_steps(s: TrainSettings, total: int, per_epoch: int) -> list[int]:
+    """Every checkpoint_every-th step, each epoch's last step with checkpoint_each_epoch, and the last step."""
     every = s.checkpoint_every
-    steps = list(range(every, total + 1, every)) if every > 0 else []
-    return steps if steps and steps[-1] == total else steps + [total]
+    steps = set(range(every, total + 1, every)) if every > 0 else set()
+    if s.checkpoint_each_epoch:
+        steps |= set(range(per_epoch, total + 1, per_epoch))
+    return sorted(steps | {total})
+
+
+# Said once when the run has no validation pairs: what it then lacks.
+NO_VALIDATION = ("no validation pairs (curate.validation_fraction 0: every pair trains): no validation, no "
+                 "divergence check on it, no best_margin/best_loss checkpoints; replay and generate take final or a "
+                 "step number")
 
 
 def train(base_dir: str | Path, rendered_dir: str | Path, out_dir: str | Path,
@@ -122,11 +131,13 @@ def _train(sess: Session, record: dict[str, Any], rendered_dir: str | Path, out_
         progress.event({"resumed_from_step": start})
     val = load_pairs(Path(rendered_dir) / "validation.parquet")
     index = read_index(work)
-    if start == 0:
+    if not len(val):
+        print(f"orpo train: note: {NO_VALIDATION}", file=sys.stderr)
+    if start == 0 and len(val):
         index["baseline"] = sess.evaluate(val)
         progress.event({"step": 0, "validation": index["baseline"]})
 
-    ckpt_steps = set(_checkpoint_steps(s, sess.total_steps))
+    ckpt_steps = set(_checkpoint_steps(s, sess.total_steps, _steps_per_epoch(sess)))
     with cache_policy(s.engine.cache_limit_gb) as cache, \
             open(work / "metrics.jsonl", "a", encoding="utf-8") as metrics_file:
         cache.start()
@@ -148,10 +159,11 @@ def _train(sess: Session, record: dict[str, Any], rendered_dir: str | Path, out_
             if step % s.log_every == 0:
                 metrics_file.flush()
             if step in ckpt_steps:
-                v = sess.evaluate(val)
-                metrics_file.write(json.dumps({"step": step, "split": "validation", **v}) + "\n")
+                v = sess.evaluate(val) if len(val) else None
+                if v is not None:
+                    metrics_file.write(json.dumps({"step": step, "split": "validation", **v}) + "\n")
                 metrics_file.flush()
-                why = diverged(v, index["baseline"], sess.model.args.vocab_size, s.divergence_ratio)
+                why = v and diverged(v, index["baseline"], sess.model.args.vocab_size, s.divergence_ratio)
                 if why:
                     kept = [k for k in kept_steps(work) if str(k) in index["checkpoints"]]
                     raise TrainingError(f"training diverged at step {step}: {why}; no checkpoint saved for it, "
@@ -245,13 +257,19 @@ def _follow(sess: Session, work: Path, start: int) -> None:
     sess.shard.barrier()
 
 
+def _steps_per_epoch(sess: Session) -> int:
+    """Optimizer steps of one epoch: each takes the global batch; the remainder sits the epoch out (batch_schedule)."""
+    return max(1, len(sess.train) // (sess.s.batch_size * sess.s.grad_accum * sess.shard.size))
+
+
 def _epoch_of(sess: Session, step: int) -> int:
-    per_epoch = max(1, sess.total_steps // max(1, sess.s.epochs))
-    return (step - 1) // per_epoch
+    return (step - 1) // _steps_per_epoch(sess)
 
 
 def _update_best(index: dict[str, Any]) -> None:
-    ck = {int(k): v["validation"] for k, v in index["checkpoints"].items()}
+    ck = {int(k): v["validation"] for k, v in index["checkpoints"].items() if v["validation"]}
+    if not ck:  # no validation split: nothing to choose by
+        return
     index["best_margin_step"] = max(sorted(ck), key=lambda k: ck[k]["margin"])
     index["best_loss_step"] = min(sorted(ck), key=lambda k: ck[k]["loss"])
 

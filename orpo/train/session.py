@@ -15,13 +15,13 @@ from typing import Any, Callable
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.utils import load_model
 
 from orpo.batching import batch_schedule
 from orpo.config import section_defaults
 from orpo.engine.queue import memory_limit
 from orpo.io import sha256_file
 from orpo.optim import FlatAdamW, lora_adamw, warmup_steps_for
+from orpo.precision import Precision, load_model
 from orpo.render.template import resolve_model_dir
 from orpo.train.accumulate import accumulate_grads
 from orpo.train.data import Pairs, load_pairs, pair_lengths, pair_tokens
@@ -77,6 +77,7 @@ class Session:
     keys: DropoutKeys
     init_adapter: dict[str, str] | None = None
     shard: Shard = field(default_factory=Shard)
+    precision: Precision | None = None  # the dtype the model computes in (model.dtype), and why
     # Distinct micro-batch shapes seen (each a compiled trace when the engine compiles).
     signatures: set = field(default_factory=set)
     _update: tuple[int, Callable] | None = field(default=None, repr=False)
@@ -177,11 +178,13 @@ def _refuse_identical(pairs: Pairs, path: Path) -> None:
               "tokens", file=sys.stderr)
 
 
-def build_session(base_dir: str | Path, rendered_dir: str | Path, settings: dict[str, Any]) -> Session:
-    """Load the base model, add LoRA (warm-started if asked), and set up the optimizer and the step order."""
+def build_session(base_dir: str | Path, rendered_dir: str | Path, settings: dict[str, Any],
+                  dtype: str = "auto") -> Session:
+    """Load the base model in `dtype` (model.dtype), add LoRA (warm-started if asked), and set up the optimizer
+    and the step order."""
     s = resolve_settings(settings)
     shard = join(s["distributed"])
-    model, _ = load_model(resolve_model_dir(base_dir, weights=True))
+    model, _, precision = load_model(resolve_model_dir(base_dir, weights=True), dtype, announce=shard.is_main)
     keys = shard.dropout_keys(s["seed"])
     adapter_config = apply_lora(model, s["lora"], s["seed"], keys)
     init = None
@@ -200,4 +203,4 @@ def build_session(base_dir: str | Path, rendered_dir: str | Path, settings: dict
     schedule = batch_schedule(pair_lengths(train), rows_per_step, s["epochs"], s["seed"], s["max_steps"], window)
     opt = lora_adamw(s["schedule"], s["lr"], len(schedule), warmup_steps_for(len(schedule), s["warmup"]),
                      s["weight_decay"], s["lora"]["plus_ratio"])
-    return Session(s, model, opt, adapter_config, train, schedule, keys, init, shard)
+    return Session(s, model, opt, adapter_config, train, schedule, keys, init, shard, precision=precision)

@@ -25,6 +25,7 @@ from orpo.train.memory import cache_policy
 from orpo.train.progress import Progress
 from orpo.train.session import DEFAULTS, Session, TrainingError, build_session, resolve_settings
 from orpo.train.step import is_plain
+from orpo.train.tracking import open_trackers, require
 
 __all__ = ["DEFAULTS", "Session", "TrainingError", "build_session", "replay", "resolve_settings", "train"]
 
@@ -35,8 +36,10 @@ def _checkpoint_steps(s: dict[str, Any], total: int) -> list[int]:
     return steps if steps and steps[-1] == total else steps + [total]
 
 
-def train(base_dir: str | Path, rendered_dir: str | Path, out_dir: str | Path, settings: dict[str, Any]) -> dict[str, Any] | None:
-    """Train an ORPO LoRA adapter; write the run folder (adapter, checkpoints, index, metrics).
+def train(base_dir: str | Path, rendered_dir: str | Path, out_dir: str | Path, settings: dict[str, Any],
+          dtype: str = "auto") -> dict[str, Any] | None:
+    """Train an ORPO LoRA adapter on the base model in `dtype` (model.dtype); write the run folder (adapter,
+    checkpoints, index, metrics).
 
     Work happens in `<out_dir>.partial`; a run killed midway resumes there from its last checkpoint when
     started again with the same settings, and the folder is renamed to `out_dir` when the run completes.
@@ -47,7 +50,8 @@ def train(base_dir: str | Path, rendered_dir: str | Path, out_dir: str | Path, s
     """
     out_dir = Path(out_dir)
     work = out_dir.with_name(out_dir.name + ".partial")
-    sess = build_session(base_dir, rendered_dir, settings)
+    require(settings.get("report_to", DEFAULTS["report_to"]))  # a missing tracking library fails before the model loads
+    sess = build_session(base_dir, rendered_dir, settings, dtype)
     if sess.shard.is_main:
         with work_lock(out_dir):
             return _train(sess, base_dir, rendered_dir, out_dir, work)
@@ -88,7 +92,8 @@ def _train(sess: Session, base_dir: str | Path, rendered_dir: str | Path, out_di
     s = sess.s
     # The engine as decided on this machine ("auto" settings depend on the device): same loss either way.
     record = {"settings": s, "engine_resolved": sess.engine, "base": str(base_dir),
-              "rendered": str(rendered_dir), "total_steps": sess.total_steps, "init_adapter": sess.init_adapter}
+              "rendered": str(rendered_dir), "total_steps": sess.total_steps, "init_adapter": sess.init_adapter,
+              "precision": sess.precision.record()}
     start, resumed = _prepare_workdir(work, record, sess) if sess.shard.is_main else (0, False)
     if sess.shard.size > 1:
         start = sess.shard.broadcast_int(start)  # a barrier too: rank 0 has cleaned or resumed the folder
@@ -105,7 +110,10 @@ def _train(sess: Session, base_dir: str | Path, rendered_dir: str | Path, out_di
 
     ckpt_steps = set(_checkpoint_steps(s, sess.total_steps))
     with cache_policy(sess.engine["cache_limit_gb"]) as cache, \
-            open(work / "metrics.jsonl", "a", encoding="utf-8") as metrics_file:
+            open(work / "metrics.jsonl", "a", encoding="utf-8") as metrics_file, \
+            open_trackers(s["report_to"], work, record, start) as trackers:
+        if start == 0:
+            trackers.log(index["baseline"], 0, "validation")
         cache.start()
         rate = Throughput()
         batches = sess.prepare(start + 1) if start < sess.total_steps else []
@@ -121,6 +129,7 @@ def _train(sess: Session, base_dir: str | Path, rendered_dir: str | Path, out_di
                  "cache_memory_mb": round(mx.get_cache_memory() / 2**20, 3),
                  "peak_memory_mb": round(mx.get_peak_memory() / 2**20, 3)}
             metrics_file.write(json.dumps(m) + "\n")
+            trackers.log(m, step, "train")
             progress.step(m)
             if step % s["log_every"] == 0:
                 metrics_file.flush()
@@ -128,6 +137,8 @@ def _train(sess: Session, base_dir: str | Path, rendered_dir: str | Path, out_di
                 v = sess.evaluate(val)
                 metrics_file.write(json.dumps({"step": step, "split": "validation", **v}) + "\n")
                 metrics_file.flush()
+                trackers.log(v, step, "validation")
+                trackers.flush()
                 why = diverged(v, index["baseline"], sess.model.args.vocab_size, s["divergence_ratio"])
                 if why:
                     kept = [k for k in kept_steps(work) if str(k) in index["checkpoints"]]
@@ -271,7 +282,7 @@ def replay(
 ) -> dict[str, Any] | None:
     """Re-run training to a checkpoint step and compare the adapter's sha256 with the run's index.
 
-    The run's settings.json (every knob, defaults filled) drives the replay; a run of N processes replays
+    The run's settings.json (every knob, defaults filled, and the dtype it computed in) drives the replay; a run of N processes replays
     on N ranks (bit for bit; one process could match it only within float tolerance), and only rank 0
     returns the record (the others None). `from_="previous"` starts at the
     latest checkpoint still on disk before the target (its optimizer and loop state restored), so a step
@@ -283,7 +294,8 @@ def replay(
     record = json.loads((run_dir / "settings.json").read_text())
     index = read_index(run_dir)
     target = resolve_step(index, which)
-    sess = build_session(base_dir, rendered_dir, record["settings"])
+    # The dtype the run computed in, whatever this machine's auto would choose: the same numbers.
+    sess = build_session(base_dir, rendered_dir, record["settings"], record.get("precision", {}).get("dtype", "auto"))
     if record.get("init_adapter") and sess.init_adapter["sha256"] != record["init_adapter"]["sha256"]:
         raise ValueError(f"init_adapter {sess.init_adapter['path']} changed since the run (sha256 "
                          f"{sess.init_adapter['sha256'][:16]}, the run started from {record['init_adapter']['sha256'][:16]})")
@@ -303,5 +315,5 @@ def replay(
     return {
         "checkpoint": str(which), "step": target, "from_step": start, "steps_replayed": target - start,
         "expected_sha256": expected, "replayed_sha256": replayed, "equal": expected == replayed,
-        "processes": sess.shard.size, "seconds": round(time.time() - t0, 1),
+        "processes": sess.shard.size, "dtype": sess.precision.dtype, "seconds": round(time.time() - t0, 1),
     }

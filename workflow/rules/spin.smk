@@ -25,6 +25,7 @@ rule spin_pairs:
         adapter=lambda wildcards, input: f"--adapter {folder(input.adapter[0])}" if input.adapter else "",
         render=per_exp(rendering),
         settings=per_exp(spin_settings),
+        dtype=per_exp(model_dtype),
         code=CODE["spin"],
     threads: workflow.cores
     log:
@@ -32,8 +33,8 @@ rule spin_pairs:
     benchmark:
         "benchmarks/{exp}spin_pairs_iter{k}.tsv"
     shell:
-        "orpo spin --sft {params.sft} --model {params.model} {params.adapter} --render-settings {params.render:q} "
-        "--iteration {wildcards.k} --out {params.out} --settings {params.settings:q} > {log} 2>&1"
+        "orpo spin --sft {params.sft} --model {params.model} {params.adapter} --render-settings @{params.render} "
+        "--iteration {wildcards.k} --out {params.out} --dtype {params.dtype} --settings @{params.settings} > {log} 2>&1"
 
 
 rule spin_render:
@@ -54,7 +55,7 @@ rule spin_render:
         "benchmarks/{exp}spin_render_iter{k}.tsv"
     shell:
         "orpo render --model {params.model} --curated {params.pairs} --out {params.out} "
-        "--settings {params.settings:q} > {log} 2>&1 && " + CONSOLE_NOTES
+        "--settings @{params.settings} > {log} 2>&1 && " + CONSOLE_NOTES
 
 
 rule spin_train:
@@ -69,6 +70,7 @@ rule spin_train:
         out=lambda wildcards, output: folder(output[0]),
         model=per_exp(L.model_ref),
         settings=spin_train_settings,
+        dtype=per_exp(model_dtype),
         code=CODE["train"],
     threads: workflow.cores
     log:
@@ -76,8 +78,8 @@ rule spin_train:
     benchmark:
         "benchmarks/{exp}spin_train_iter{k}.tsv"
     shell:
-        "orpo train --model {params.model} --rendered {params.rendered} --out {params.out} "
-        "--settings {params.settings:q} > {log} 2>&1"
+        "orpo train --model {params.model} --rendered {params.rendered} --out {params.out} --dtype {params.dtype} "
+        "--settings @{params.settings} > {log} 2>&1"
 
 
 rule spin_generate:
@@ -92,6 +94,7 @@ rule spin_generate:
         model=per_exp(L.model_ref),
         settings=per_exp(lambda n: section(n, "generate")),
         render=per_exp(rendering),
+        dtype=per_exp(model_dtype),
         limit=per_exp(lambda n: L.config(n)["eval"]["limit"]),
         code=CODE["generate"],
     threads: workflow.cores
@@ -101,7 +104,8 @@ rule spin_generate:
         "benchmarks/{exp}spin_generate_iter{k}.tsv"
     shell:
         "orpo generate --model {params.model} --adapter {params.run} --prompts {input.prompts} --label spin{wildcards.k} "
-        "--limit {params.limit} --render-settings {params.render:q} --out {output} --settings {params.settings:q} > {log} 2>&1"
+        "--limit {params.limit} --dtype {params.dtype} --render-settings @{params.render} --out {output} "
+        "--settings @{params.settings} > {log} 2>&1"
 
 
 rule spin_ifeval:

@@ -149,3 +149,22 @@ def test_on_a_terminal_it_is_interactive(run):
     text = seen.decode(errors="replace").replace("\r\n", "\n")
     assert "/reset starts over, /exit (or Ctrl-D) quits" in text
     assert f"model> {expected}\nyou> " in text
+
+
+def test_mlx_lm_fuse_takes_the_run_folder_and_exports_gguf(run, tiny_base, tmp_path):
+    """README's `mlx_lm.fuse --model BASE --adapter-path RUN --save-path OUT --export-gguf`, as written there."""
+    import mlx.core as mx
+    import numpy as np
+    from mlx_lm import load
+
+    out = tmp_path / "fused"
+    done = subprocess.run([sys.executable, "-m", "mlx_lm", "fuse", "--model", str(tiny_base), "--adapter-path", str(run),
+                           "--save-path", str(out), "--export-gguf"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    tuned, _ = load(str(tiny_base), adapter_path=str(run))
+    fused, _ = load(str(out))
+    tokens = mx.array([[1, 5, 9, 20, 33, 7]])
+    np.testing.assert_allclose(np.array(fused(tokens)), np.array(tuned(tokens)), rtol=1e-4, atol=1e-4)
+    weights, meta = mx.load(str(out / "ggml-model-f16.gguf"), return_metadata=True)
+    assert "blk.0.attn_q.weight" in weights and meta["tokenizer.ggml.model"] == "llama"
+    assert Chat(target(model=str(out)), GEN).reply(PROMPT) == Chat(target(run), GEN).reply(PROMPT)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Any, Iterable
@@ -26,6 +27,11 @@ BACKENDS = ("tensorboard", "wandb", "mlflow")
 MODULES = {"tensorboard": "tensorboardX", "wandb": "wandb", "mlflow": "mlflow"}
 PACKAGES = {"tensorboard": "tensorboardX", "wandb": "wandb", "mlflow": "mlflow-skinny (or mlflow)"}
 IDS_FILE = "tracking.json"
+
+
+def final_folder(work: Path) -> Path:
+    """The run folder the work folder (`<run>.partial`) becomes when the run completes."""
+    return work.with_name(work.name.removesuffix(".partial"))
 
 
 class TrackingError(RuntimeError):
@@ -138,9 +144,11 @@ class _Wandb:
         self.run = wandb.init(
             project=os.environ.get("WANDB_PROJECT", "orpo"), dir=str(folder), config=settings,
             mode=os.environ.get("WANDB_MODE", "offline"), id=run_id, resume="allow" if run_id else None,
-            # Our stdout and stderr stay ours (Snakemake logs them): wandb does not wrap the console.
-            settings=wandb.Settings(console="off"))
-        self.run_id = self.run.id
+            # Our stdout and stderr stay ours (Snakemake logs them): wandb neither wraps the console nor prints
+            # its footer, which would name the work folder; close() names the run folder instead.
+            settings=wandb.Settings(console="off", quiet=True))
+        self.run_id, self.offline = self.run.id, self.run.settings.mode in ("offline", "dryrun")
+        self.where = final_folder(folder) / Path(self.run.dir).parent.relative_to(folder)
 
     def log(self, values: dict[str, float], step: int) -> None:
         self.run.log(values, step=step)
@@ -150,6 +158,8 @@ class _Wandb:
 
     def close(self, failed: bool) -> None:
         self.run.finish(exit_code=1 if failed else 0)
+        if self.offline:
+            print(f"wandb: offline run {self.where}; upload it with `wandb sync {self.where}`", file=sys.stderr)
 
 
 class _Mlflow:
@@ -167,7 +177,10 @@ class _Mlflow:
         if run_id is None:
             name = os.environ.get("MLFLOW_EXPERIMENT_NAME", "orpo")
             experiment = self.client.get_experiment_by_name(name)
-            experiment_id = experiment.experiment_id if experiment else self.client.create_experiment(name)
+            # Artifacts (none are logged) would go under the run folder, not the work folder it is renamed from.
+            artifacts = (final_folder(folder) / "mlruns" / "artifacts").resolve().as_uri()
+            experiment_id = (experiment.experiment_id if experiment
+                             else self.client.create_experiment(name, artifact_location=artifacts))
             run_id = self.client.create_run(experiment_id, run_name=folder.name.removesuffix(".partial")).info.run_id
             params = [Param(k, json.dumps(v) if not isinstance(v, str) else v) for k, v in flat(settings).items()]
             self.client.log_batch(run_id, params=params)

@@ -72,8 +72,9 @@ def target(run: str | Path | None = None, model: str | None = None, checkpoint: 
         if model is None:
             raise ChatError("chat: give --run RUN_FOLDER (a trained run) or --model MODEL (a base model)")
         rendering = rendering_of({})
+        given = " + --render-settings" if render else ""
         return Target(model, None, {**rendering, **(render or {})}, dtype or "auto",
-                      [f"model {model}", "render settings: the schema's defaults" + (" + --render-settings" if render else "")])
+                      [f"model {model}", f"render settings: the schema's defaults{given}"])
     run = Path(run)
     record = _read_json(run / "settings.json", "the run's record; is this a training run folder?")
     base_model = model or record.get("base")

@@ -368,15 +368,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True)
     add_dtype(p)
 
-    p = stage("chat", cmd_chat, "talk to a base model or a trained run through its training chat template and render "
-              "settings: interactive on a terminal (/reset, /exit), one reply with --prompt, a turn per line when piped")
+    p = stage("chat", cmd_chat, "talk to a base model or a trained run through its training chat template and "
+              "render settings: interactive on a terminal (/reset, /exit), one reply with --prompt, a turn per line "
+              "when piped")
     p.add_argument("--run", help="a training run folder: its base model, adapter, dtype and render settings")
     p.add_argument("--checkpoint", default="final", help="with --run: final, best_margin, best_loss or a step")
     p.add_argument("--base", action="store_true", help="with --run: the run's base model without its adapter")
     p.add_argument("--model", help="the base model (folder or hub id); with --run, instead of the run's")
     p.add_argument("--prompt", help="one user message: print the reply and exit")
     p.add_argument("--system", help="a system message before the conversation")
-    p.add_argument("--show-prompt", action="store_true", help="print each rendered prompt (what the model sees) on stderr")
+    p.add_argument("--show-prompt", action="store_true",
+                   help="print each rendered prompt (what the model sees) on stderr")
     p.add_argument("--render-settings", type=_settings, default={},
                    help="render settings (template, template_kwargs, date) as JSON or @file; default: the run's")
     add_dtype(p, default=None, help_default="the run's dtype, else auto")

@@ -92,7 +92,8 @@ def cast(model: nn.Module, precision: Precision) -> nn.Module:
     return model
 
 
-def load_model(model_dir: str | Path, setting: str = "auto", announce: bool = True) -> tuple[nn.Module, dict, Precision]:
+def load_model(model_dir: str | Path, setting: str = "auto",
+               announce: bool = True) -> tuple[nn.Module, dict, Precision]:
     """mlx-lm's load_model, the weights cast to the dtype `setting` resolves to before they are evaluated.
 
     Prints the choice once on stderr (`announce`): "model dtype: float32 (auto on cpu; checkpoint bfloat16)".

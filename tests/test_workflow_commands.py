@@ -41,7 +41,8 @@ def test_commands_take_settings_from_files_and_dtype_from_the_model_section(tmp_
 
     # A file holds exactly the config section the stage used to get inline.
     merged = validate_config(deep_merge(load_config_file(ROOT / "config" / "config.yaml"), config), tmp_path)
-    train = next(c for c in commands if c.startswith("orpo train --model results/base/model --rendered results/rendered"))
+    main_run = "orpo train --model results/base/model --rendered results/rendered "
+    train = next(c for c in commands if c.startswith(main_run))
     path = re.search(r"--settings @(\S+)", train).group(1)
     assert json.loads((tmp_path / path).read_text()) == merged["train"]
     assert max(len(c) for c in commands if c.startswith(LOADS_MODEL)) < 400

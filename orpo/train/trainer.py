@@ -282,8 +282,8 @@ def replay(
 ) -> dict[str, Any] | None:
     """Re-run training to a checkpoint step and compare the adapter's sha256 with the run's index.
 
-    The run's settings.json (every knob, defaults filled, and the dtype it computed in) drives the replay; a run of N processes replays
-    on N ranks (bit for bit; one process could match it only within float tolerance), and only rank 0
+    The run's settings.json (every knob, defaults filled, and the dtype it computed in) drives the replay; a
+    run of N processes replays on N ranks (bit for bit; one process could match it only within float tolerance), and only rank 0
     returns the record (the others None). `from_="previous"` starts at the
     latest checkpoint still on disk before the target (its optimizer and loop state restored), so a step
     pruned by `keep_last` replays from the nearest earlier kept one; `from_="zero"` retrains from step 0.

@@ -128,7 +128,7 @@ def cmd_train(a: argparse.Namespace) -> Any:
         raise SystemExit(launch(a.argv, dist, Path(a.out) / "adapters.safetensors"))
     from orpo.train.trainer import train
 
-    index = train(a.model, a.rendered, a.out, a.settings)
+    index = train(a.model, a.rendered, a.out, a.settings, a.dtype)
     return None if index is None else {k: v for k, v in index.items() if k != "checkpoints"}
 
 
@@ -168,7 +168,24 @@ def cmd_generate(a: argparse.Namespace) -> Any:
             raise ValueError(f"checkpoint {step} of {a.adapter} was pruned (train.keep_last); recover it with "
                              f"`orpo replay --run {a.adapter} --checkpoint {step} ...` or generate from a kept step")
     return generate(a.model, a.prompts, a.out, a.settings, adapter=adapter, label=a.label,
-                    render=a.render_settings, limit=a.limit)
+                    render=a.render_settings, limit=a.limit, dtype=a.dtype)
+
+
+def cmd_chat(a: argparse.Namespace) -> Any:
+    from orpo.chat import Chat, answer, interactive, piped, target
+    from orpo.config import validate_settings
+
+    settings = validate_settings("generate", a.settings)
+    render = validate_settings("render", a.render_settings, what="--render-settings")
+    t = target(a.run, a.model, a.checkpoint, a.base, a.dtype, render or None)
+    print("chat: " + "; ".join(t.origin), file=sys.stderr)
+    chat = Chat(t, settings, a.system)
+    if a.prompt is not None:
+        answer(chat, a.prompt, sys.stdout, a.show_prompt)
+    elif sys.stdin.isatty():
+        interactive(chat, sys.stdin, sys.stdout, a.show_prompt)
+    else:
+        piped(chat, sys.stdin, sys.stdout, a.show_prompt)
 
 
 def cmd_ifeval_compare(a: argparse.Namespace) -> Any:
@@ -198,13 +215,14 @@ def cmd_ifeval_prompts(a: argparse.Namespace) -> Any:
 def cmd_spin(a: argparse.Namespace) -> Any:
     from orpo.spin import spin_pairs
 
-    return spin_pairs(a.sft, a.model, a.adapter, a.out, a.settings, a.iteration, render=a.render_settings)
+    return spin_pairs(a.sft, a.model, a.adapter, a.out, a.settings, a.iteration, render=a.render_settings,
+                      dtype=a.dtype)
 
 
 def cmd_judge_run(a: argparse.Namespace) -> Any:
     from orpo.eval.judge import judge_files
 
-    r = judge_files(a.questions, a.a, a.b, a.out, a.settings)
+    r = judge_files(a.questions, a.a, a.b, a.out, a.settings, a.dtype)
     keys = ("questions", "judged", "counts", "win_rate", "adjusted_win_rate", "judged_now", "from_cache")
     return {k: r[k] for k in keys if k in r}
 
@@ -286,6 +304,15 @@ def cmd_report_paper(a: argparse.Namespace) -> Any:
     return {"out": a.out, "models": [m["label"] for m in a.spec["models"]]}
 
 
+def add_dtype(p: argparse.ArgumentParser, default: Any = "", help_default: str = "") -> None:
+    """--dtype: model.dtype, the dtype the loaded model computes in (default: the schema's)."""
+    from orpo.config import load_schema
+
+    node = load_schema()["properties"]["model"]["properties"]["dtype"]
+    p.add_argument("--dtype", choices=node["enum"], default=node["default"] if default == "" else default,
+                   help=f"model.dtype (default {help_default or node['default']}): " + node["description"])
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The `orpo` command line."""
     ap = argparse.ArgumentParser(prog="orpo", description="ORPO pipeline stages (each a Snakemake rule).")
@@ -332,6 +359,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", required=True)
     p.add_argument("--rendered", required=True)
     p.add_argument("--out", required=True)
+    add_dtype(p)
 
     p = stage("replay", cmd_replay, "replay a checkpoint and verify its hash (a run of N processes replays on N ranks, "
               "bit for bit)", settings=False)
@@ -352,6 +380,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--render-settings", type=_settings, default={},
                    help="the render stage's settings (template override, template_kwargs) as JSON or @file")
     p.add_argument("--limit", type=int, default=0)
+    add_dtype(p)
 
     p = stage("spin", cmd_spin, "SPIN pairs: SFT gold answers (chosen) vs the model's own answers (rejected)")
     p.add_argument("--sft", nargs="+", required=True,
@@ -362,6 +391,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--render-settings", type=_settings, default={},
                    help="the render stage's settings (template override, template_kwargs) as JSON or @file")
     p.add_argument("--out", required=True)
+    add_dtype(p)
+
+    p = stage("chat", cmd_chat, "talk to a base model or a trained run through its training chat template and "
+              "render settings: interactive on a terminal (/reset, /exit), one reply with --prompt, a turn per line "
+              "when piped")
+    p.add_argument("--run", help="a training run folder: its base model, adapter, dtype and render settings")
+    p.add_argument("--checkpoint", default="final", help="with --run: final, best_margin, best_loss or a step")
+    p.add_argument("--base", action="store_true", help="with --run: the run's base model without its adapter")
+    p.add_argument("--model", help="the base model (folder or hub id); with --run, instead of the run's")
+    p.add_argument("--prompt", help="one user message: print the reply and exit")
+    p.add_argument("--system", help="a system message before the conversation")
+    p.add_argument("--show-prompt", action="store_true",
+                   help="print each rendered prompt (what the model sees) on stderr")
+    p.add_argument("--render-settings", type=_settings, default={},
+                   help="render settings (template, template_kwargs, date) as JSON or @file; default: the run's")
+    add_dtype(p, default=None, help_default="the run's dtype, else auto")
 
     p = sub.add_parser("ifeval", help="IFEval scoring")
     isub = p.add_subparsers(dest="action", required=True)
@@ -392,6 +437,7 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--b", type=_labelled, required=True, help="LABEL=generations.jsonl of the reference model")
     q.add_argument("--out", required=True, help="folder for verdicts.jsonl, summary.json (and cache.jsonl by default)")
     q.add_argument("--settings", type=_settings, default={}, help="judge settings as JSON or @file")
+    add_dtype(q)
     q = jsub.add_parser("prompts", help="write a prompt set's questions as prompts for `orpo generate`")
     q.set_defaults(fn=cmd_judge_prompts)
     q.add_argument("--prompt-set", choices=["validation", "mt_bench"], required=True)

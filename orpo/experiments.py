@@ -123,7 +123,7 @@ def stage_keys(cfg: dict[str, Any]) -> dict[str, str]:
                           else (keys["judge_prompts"], judge["limit"]))
         keys[f"generate_base_{name}"] = _key(f"generate_base_{name}", {
             "generate": cfg["generate"], "render": prompt_rendering(cfg), "model": model,
-            "prompts": prompts, "limit": limit})
+            "dtype": cfg["model"]["dtype"], "prompts": prompts, "limit": limit})
     return keys
 
 

@@ -11,14 +11,17 @@ from typing import Any, Callable, TextIO
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm import load
 from mlx_lm.generate import batch_generate
 from mlx_lm.sample_utils import make_sampler
 from mlx_lm.tokenizer_utils import TokenizerWrapper
+from mlx_lm.utils import load_adapters
+from mlx_lm.utils import load_tokenizer as load_wrapper
 from tokenizers import Tokenizer
 from tqdm import tqdm
 
+from orpo import progress
 from orpo.config import section_defaults
+from orpo.precision import Precision, load_model
 from orpo.render.template import (
     ChatTemplate,
     encode_generation_prompt,
@@ -45,6 +48,7 @@ class Generator:
     context: int | None = None  # positions the model takes (prompt + generated tokens); None: not stated
     context_source: str | None = None  # where `context` was read, e.g. "config.json max_position_embeddings"
     lead: tuple[int, ...] = ()  # ids every prompt starts with (render.add_bos), as in training
+    precision: Precision | None = None  # the dtype the model computes in (model.dtype), and why
 
     def prompt_ids(self, messages: list[dict[str, Any]]) -> list[int]:
         """Token ids of the generation prompt for a conversation."""
@@ -86,21 +90,27 @@ def context_length(model_dir: str | Path) -> tuple[int, str] | None:
 
 def load_generator(
     model: str | Path, adapter: str | Path | None = None, render: dict[str, Any] | None = None,
+    dtype: str = "auto",
 ) -> Generator:
-    """Load a model folder or hub id, optionally with a LoRA adapter folder, for generation.
+    """Load a model folder or hub id in `dtype` (model.dtype), optionally with a LoRA adapter folder, for generation.
 
     `render` is the render stage's settings: its template override, template variables, date and add_bos
     apply here too, so generation prompts are rendered exactly as training prompts were.
     """
     render = render or {}
     model_dir = resolve_model_dir(model, weights=True)
-    net, wrapper = load(str(model_dir), adapter_path=str(adapter) if adapter else None)
+    # mlx_lm.load's steps, with the base weights cast before the adapter (kept in its saved dtype) is added.
+    net, config, precision = load_model(model_dir, dtype)
+    if adapter:
+        net = load_adapters(net, str(adapter))
+        net.eval()
+    wrapper = load_wrapper(model_dir, eos_token_ids=config.get("eos_token_id", None))
     chat = pin_date(load_template(model_dir, render.get("template")), render.get("date", RENDER_DEFAULTS["date"]))
     context, source = context_length(model_dir) or (None, None)
     tokenizer = load_tokenizer(model_dir)
     lead = leading_ids(tokenizer, chat, render.get("add_bos", RENDER_DEFAULTS["add_bos"]))
     return Generator(net, wrapper, chat, tokenizer, dict(render.get("template_kwargs") or {}), context, source,
-                     tuple(lead))
+                     tuple(lead), precision)
 
 
 def truncate_at_stop(text: str, stops: list[str]) -> str:
@@ -110,7 +120,8 @@ def truncate_at_stop(text: str, stops: list[str]) -> str:
 
 
 class GenerationProgress:
-    """Prompts done of total and tokens/s: a tqdm bar on a terminal, else a line per ~10% (Snakemake logs)."""
+    """Prompts done of total and tokens/s: a tqdm bar on a terminal, else a line per ~10% (Snakemake logs) with
+    the elapsed time and the ETA."""
 
     def __init__(self, total: int, label: str = "generate", stream: TextIO | None = None, tty: bool | None = None,
                  clock: Callable[[], float] = time.perf_counter):
@@ -139,9 +150,9 @@ class GenerationProgress:
         if tenth >= self.next_tenth or self.done == self.total:
             self.next_tenth = tenth + 1
             elapsed = self.clock() - self.start
-            percent = 100 * self.done // max(self.total, 1)
-            print(f"{self.label}: {self.done}/{self.total} prompts ({percent}%), {self.tokens} tokens, "
-                  f"{self.tokens_per_s():.1f} tok/s, {elapsed:.1f} s", file=self.stream, flush=True)
+            print(progress.line(f"{self.label}: prompts", self.done, self.total, {"tokens": f"{self.tokens:,}"},
+                                self.tokens_per_s(), elapsed, progress.eta(elapsed, self.done, self.total - self.done),
+                                percent=True), file=self.stream, flush=True)
 
     def close(self) -> None:
         """Finish the bar (nothing to do for log lines)."""

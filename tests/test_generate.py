@@ -57,7 +57,9 @@ def test_progress_logs_a_line_per_tenth_when_not_a_terminal():
     lines = stream.getvalue().splitlines()
     assert len(lines) == 10  # 10%, 20%, ... 100%: not one per batch
     assert [int(re.search(r"\((\d+)%\)", x).group(1)) // 10 for x in lines] == list(range(1, 11))
-    assert lines[-1] == "generate[base]: 100/100 prompts (100%), 408 tokens, 24.0 tok/s, 17.0 s"  # 408 / 17
+    # 408 tokens / 17 s; at 30 prompts (10 batches, 5 s) the ETA is 70 prompts at 6 prompts/s: 11.67 s.
+    assert lines[-1] == "generate[base]: prompts 100/100 (100%)  tokens 408  24.0 tok/s  elapsed 0:17  eta 0:00"
+    assert lines[2] == "generate[base]: prompts 30/100 (30%)  tokens 120  24.0 tok/s  elapsed 0:05  eta 0:12"
 
 
 def test_progress_is_a_bar_with_prompts_and_tokens_per_second_on_a_terminal():
@@ -78,7 +80,8 @@ def test_generation_reports_progress_to_stderr(tiny_base, tmp_path, capfd):
     err = capfd.readouterr().err.splitlines()
     lines = [x for x in err if x.startswith("generate[base]:")]
     assert 5 <= len(lines) <= 11  # pytest's stderr is not a terminal: ~10% lines, not one per 12 batches
-    assert lines[-1].startswith(f"generate[base]: 12/12 prompts (100%), {stats['generated_tokens']} tokens")
+    assert lines[-1].startswith(f"generate[base]: prompts 12/12 (100%)  tokens {stats['generated_tokens']:,}  ")
+    assert lines[-1].endswith("eta 0:00")
 
 
 def test_generation_prompts_carry_the_render_date(tiny_base):

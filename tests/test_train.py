@@ -3,6 +3,7 @@
 import io
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -53,10 +54,13 @@ def test_run_folder_and_index(run):
 
 def test_same_settings_give_bit_identical_adapters(run, tiny_base, tiny_rendered, tmp_path, capsys):
     train(tiny_base, tiny_rendered, tmp_path / "again", train_settings(TINY_TRAIN))
-    # Not a terminal: clean JSON lines, one per log step (4, 8, 12) plus baseline and validations.
-    lines = [json.loads(x) for x in capsys.readouterr().err.splitlines()]
-    assert [x["step"] for x in lines if "loss" in x] == [4, 8, 12]
-    assert [x["step"] for x in lines if "validation" in x] == [0, 4, 8, 12]
+    # Not a terminal: the dtype said once, then a line per log step (4, 8, 12) plus baseline and validations.
+    err = capsys.readouterr().err.splitlines()
+    assert re.fullmatch(r"model dtype: float32 \(auto on (cpu|gpu); checkpoint float32\)", err[0])
+    steps = [re.match(r"step (\d+)/12  (loss|validation) ", x).groups() for x in err[1:]]
+    assert [int(s) for s, kind in steps if kind == "loss"] == [4, 8, 12]
+    assert [int(s) for s, kind in steps if kind == "validation"] == [0, 4, 8, 12]
+    assert [x for x in err if x.startswith("step 12/12  loss")][0].endswith("eta 0:00")
     assert sha256_file(tmp_path / "again" / "adapters.safetensors") == sha256_file(run / "adapters.safetensors")
     other = {**TINY_TRAIN, "seed": 1}
     train(tiny_base, tiny_rendered, tmp_path / "seed1", train_settings(other))
@@ -112,7 +116,7 @@ def test_killed_run_resumes_to_the_same_adapter(run, tiny_base, tiny_rendered, t
         pytest.skip("the run finished before it could be killed")
     done = subprocess.run(cmd, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
-    assert '"resumed_from_step"' in done.stderr
+    assert re.search(r"^resumed from step (4|8)/12 \(its checkpoint\)$", done.stderr, re.MULTILINE)
     assert sha256_file(out / "adapters.safetensors") == sha256_file(run / "adapters.safetensors")
 
 
@@ -258,7 +262,7 @@ def test_resume_is_bit_identical_with_every_knob_on(sink, tiny_base, tiny_render
     (work / "index.json").write_text(json.dumps(index))
     (work / "adapters.safetensors").unlink()
     train(tiny_base, tiny_rendered, out, train_settings(json.loads((sink / "settings.json").read_text())["settings"]))
-    assert '{"resumed_from_step": 6}' in capsys.readouterr().err
+    assert "resumed from step 6/" in capsys.readouterr().err
     assert sha256_file(out / "adapters.safetensors") == sha256_file(sink / "adapters.safetensors")
     assert read_index(out)["checkpoints"] == read_index(sink)["checkpoints"]
     steps = [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()]
@@ -295,16 +299,21 @@ def _metrics(step):
             "tokens_per_s": 1234.5, "active_memory_mb": 12.5}
 
 
-def test_progress_is_json_lines_off_a_terminal_and_a_bar_on_one():
-    plain = io.StringIO()
-    p = Progress(total=10, start=0, log_every=4, stream=plain)
+def test_progress_is_log_lines_off_a_terminal_and_a_bar_on_one():
+    plain, now = io.StringIO(), [100.0]
+    p = Progress(total=10, start=0, log_every=4, stream=plain, clock=lambda: now[0])
     assert not p.tty
     for step in range(1, 11):
+        now[0] = 100.0 + 7.5 * step  # 7.5 s a step
         p.step(_metrics(step))
-    p.event({"step": 10, "validation": {"loss": 1.0}})
+    p.event({"step": 10, "validation": {"loss": 1.0, "accuracy": 0.75, "margin": -0.25}, "sha256": "3fa9c1d2"})
     p.close()
-    lines = [json.loads(x) for x in plain.getvalue().splitlines()]
-    assert [x["step"] for x in lines] == [4, 8, 10, 10] and lines[0]["tokens_per_s"] == 1234.5
+    lines = plain.getvalue().splitlines()
+    assert lines[0] == ("step 4/10  loss 1.5000  acc 0.50  margin +0.100  lr 1.00e-03  mem 12 MB  1,234 tok/s  "
+                        "elapsed 0:30  eta 0:45")  # 4 steps in 30 s: 6 more take 45 s
+    assert [int(re.match(r"step (\d+)/10  ", x).group(1)) for x in lines] == [4, 8, 10, 10]
+    assert lines[2].endswith("elapsed 1:15  eta 0:00")
+    assert lines[3] == "step 10/10  validation  loss 1.0000  accuracy 0.7500  margin -0.2500  checkpoint 3fa9c1d2"
 
     term = io.StringIO()
     bar = Progress(total=10, start=2, log_every=4, stream=term, tty=True)
@@ -314,4 +323,4 @@ def test_progress_is_json_lines_off_a_terminal_and_a_bar_on_one():
     bar.close()
     out = term.getvalue()
     assert "10/10" in out and "loss=1.5000" in out and "tok/s=1234" in out and "mem=12MB" in out
-    assert '{"resumed_from_step": 2}' in out and "\r" in out
+    assert "resumed from step 2/10 (its checkpoint)" in out and "\r" in out

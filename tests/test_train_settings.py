@@ -106,7 +106,7 @@ def test_resume_uses_the_recorded_resolution(two_forward_run, tiny_base, short, 
     (work / "index.json").write_text(json.dumps(index))
     settings = train_settings({**SHORT, "engine": {"head": "fused", "prefix_sharing": "auto"}})
     train(tiny_base, short, out, settings)
-    assert '{"resumed_from_step": 2}' in capsys.readouterr().err
+    assert "resumed from step 2/4" in capsys.readouterr().err
     assert sha256_file(out / "adapters.safetensors") == sha256_file(two_forward_run / "adapters.safetensors")
     assert json.loads((out / "settings.json").read_text())["resolved"]["settings"]["engine"]["prefix_sharing"] is False
 
@@ -139,6 +139,6 @@ def test_resume_on_another_backend_starts_again(two_forward_run, tiny_base, shor
     edit_record(two_forward_run, tmp_path, "run.partial", on_an_h200)
     train(tiny_base, short, out, train_settings({**SHORT, "engine": {"head": "fused", "prefix_sharing": False}}))
     err = capsys.readouterr().err
-    assert "not resuming" in err and "same backend (cuda)" in err and "resumed_from_step" not in err
+    assert "not resuming" in err and "same backend (cuda)" in err and "resumed from step" not in err
     assert sha256_file(out / "adapters.safetensors") == sha256_file(two_forward_run / "adapters.safetensors")
     assert json.loads((out / "settings.json").read_text())["resolved"]["machine"]["backend"] == "cpu"

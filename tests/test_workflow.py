@@ -172,11 +172,13 @@ def test_spin_iteration_runs_in_the_dag_and_its_pairs_train(workflow_run):
         ("render", "template_kwargs", {"unused": 1},
          {"render", "train", "replay", "generate_base", "generate_orpo", "ifeval"}),
         ("eval", "limit", 5, {"generate_base", "generate_orpo", "ifeval"}),
+        # Every stage that loads the model for computation takes model.dtype.
+        ("model", "dtype", "float32", {"train", "replay", "generate_base", "generate_orpo", "ifeval"}),
     ],
 )
 def test_one_knob_reruns_its_stage_and_what_follows_only(workflow_run, section, key, value, reruns):
     config = yaml.safe_load((workflow_run / "micro.yaml").read_text())
-    config[section][key] = value
+    config.setdefault(section, {})[key] = value
     (workflow_run / "micro.yaml").write_text(yaml.safe_dump(config))
     try:
         assert planned_rules(snakemake(workflow_run, "-n", "results/ifeval.json")) == reruns

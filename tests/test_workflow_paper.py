@@ -112,7 +112,7 @@ def test_the_7b_config_dry_runs_its_whole_dag(tmp_path):
     assert text.count("orpo train --model mistralai/Mistral-7B-v0.1") == 2
     for raw in ("HuggingFaceH4/ultrafeedback_binarized:train_prefs", "argilla/ultrafeedback-binarized-preferences-cleaned:train"):
         assert f"orpo curate --inputs {raw} " in text
-    train = [json.loads(s) for s in re.findall(r"orpo train .*--settings '(\{.*?\})'", text)]
+    train = [json.loads((tmp_path / s).read_text()) for s in re.findall(r"orpo train .*--settings @(\S+)", text)]
     assert [(t["lr"], t["lambda"], t["epochs"]) for t in train] == [(5e-6, 0.1, 5)] * 2
 
 

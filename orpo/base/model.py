@@ -25,6 +25,7 @@ from orpo.io import InputError, atomic_path, write_json
 from orpo.rows import iter_items
 from orpo.optim import lr_schedule, warmup_steps_for
 from orpo.settings import as_dict, typed
+from orpo import progress
 
 
 @dataclass(frozen=True)
@@ -234,11 +235,12 @@ def build_base(raw_path: str | Path, out_dir: str | Path, settings: BaseSettings
         loss = train_step(mx.array(batches[step - 1]))
         mx.eval(loss, state)
         if step % s.log_every == 0 or step == steps:
-            tokens_seen = step * batches[0].size
+            tokens_seen, elapsed = step * batches[0].size, time.time() - t0
             rec = {"step": step, "loss": round(loss.item(), 4), "tokens": tokens_seen,
-                   "tokens_per_s": round(tokens_seen / (time.time() - t0), 1)}
-            log.append(rec)
-            print(json.dumps(rec), flush=True)
+                   "tokens_per_s": round(tokens_seen / elapsed, 1)}
+            log.append(rec)  # warmup_log.json keeps the numbers; the log gets a line to read
+            print(progress.line("step", step, steps, {"loss": f"{rec['loss']:.4f}"}, rec["tokens_per_s"], elapsed,
+                                progress.eta(elapsed, step, steps - step)), flush=True)
     tokens_seen = batches.size
 
     manifest = {

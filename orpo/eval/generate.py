@@ -70,9 +70,10 @@ def _named(key: Any, lineno: int, tokens: int, budget: int | None = None) -> str
 def generate(
     model: str | Path, prompts_path: str | Path, out_path: str | Path, settings: GenerateSettings | Mapping[str, Any],
     adapter: str | Path | None = None, label: str = "model", render: dict[str, Any] | None = None,
-    limit: int = 0,
+    limit: int = 0, dtype: str = "auto",
 ) -> dict[str, Any]:
-    """Generate one response per prompt and write jsonl rows (IFEval's `prompt`, `response` plus provenance).
+    """Generate one response per prompt and write jsonl rows (IFEval's `prompt`, `response` plus provenance),
+    the model computing in `dtype` (model.dtype).
 
     The model's context (config.json) bounds prompt + response: a prompt that fills it is not generated and
     keeps its row with an empty response and a `dropped` reason, so scoring counts it as not followed; a
@@ -82,7 +83,7 @@ def generate(
     s = typed(GenerateSettings, "generate", settings)
     name = f"generate[{label}]"
     located = read_prompt_lines(prompts_path, limit)
-    gen = load_generator(model, adapter, render)
+    gen = load_generator(model, adapter, render, dtype)
     ids = [gen.prompt_ids([{"role": "user", "content": p["prompt"]}]) for _, p in located]
     budgets = [gen.budget(len(x), s.max_tokens) for x in ids]
     too_long = [i for i, x in enumerate(ids) if gen.context is not None and len(x) >= gen.context]
@@ -116,7 +117,8 @@ def generate(
               f"the model's context ({where}): generated up to what fits, {len(reached)} responses stopped there: "
               f"{listed(reached or cut, True)}", file=sys.stderr, flush=True)
 
-    provenance = {"model": str(model), "adapter": str(adapter) if adapter else None, "label": label}
+    provenance = {"model": str(model), "adapter": str(adapter) if adapter else None, "label": label,
+                  "dtype": gen.precision.dtype}
 
     def row(i: int) -> dict[str, Any]:
         lineno, p = located[i]
@@ -131,5 +133,6 @@ def generate(
 
     return {**stats, "prompts": len(ids), "generated_prompts": len(kept),
             "context": {"positions": gen.context, "source": gen.context_source},
+            "precision": gen.precision.record(),
             "dropped": {"prompt_too_long": {"count": len(too_long), "examples": named(too_long)}},
             "budget_cut": {"count": len(cut), "examples": named(cut, True), "reached": len(reached)}}

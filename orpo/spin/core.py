@@ -79,6 +79,7 @@ def _generator_record(gen: Generator, model: str, adapter: str | None) -> dict:
         "adapter": str(adapter) if adapter else None,
         "adapter_sha256": sha256_file(adapter_file) if adapter_file and adapter_file.exists() else None,
         "template": {"source": gen.chat.source, "sha256": gen.chat.sha256, "kwargs": gen.template_kwargs},
+        "precision": gen.precision.record(),
     }
 
 
@@ -90,12 +91,13 @@ def spin_pairs(
     settings: SpinSettings | Mapping[str, Any] | None,
     iteration: int,
     render: Mapping[str, Any] | None = None,
+    dtype: str = "auto",
 ) -> dict:
     """Write SPIN pairs (chosen = gold, rejected = the generator's answer) to out_dir/{train,validation}.parquet
     + manifest.json; returns the manifest. Iteration k > 1 needs the adapter trained in iteration k - 1.
 
     `render` is the render stage's settings (template override, template_kwargs): prompts are rendered for
-    generation exactly as render will render them for training.
+    generation exactly as render will render them for training. The generator computes in `dtype` (model.dtype).
     """
     s = resolve_settings(settings)
     if isinstance(iteration, bool) or not isinstance(iteration, int) or iteration < 1:
@@ -110,7 +112,7 @@ def spin_pairs(
 
     drops = Drops()
     input_rows, rows, forms = read_sft(sft_inputs, s.on_error, drops)
-    gen = load_generator(model, adapter, dict(render or {}))
+    gen = load_generator(model, adapter, dict(render or {}), dtype)
     # Token counts only where a limit asks for them; ids are rebuilt for the rows kept (a large SFT set's ids
     # would not fit in memory as Python lists).
     prompt_lens = [len(prompt_ids(gen, r)) for r in rows] if s.max_prompt_tokens else None

@@ -17,12 +17,12 @@ from typing import Any, Callable
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.utils import load_model
 
 from orpo.batching import batch_schedule
 from orpo.engine.queue import memory_limit
 from orpo.io import sha256_file
 from orpo.optim import FlatAdamW, lora_adamw, warmup_steps_for
+from orpo.precision import Precision, load_model
 from orpo.render.template import resolve_model_dir
 from orpo.settings import as_dict
 from orpo.train.accumulate import accumulate_grads
@@ -85,6 +85,7 @@ class Session:
     keys: DropoutKeys
     init_adapter: dict[str, str] | None = None
     shard: Shard = field(default_factory=Shard)
+    precision: Precision | None = None  # the dtype the model computes in (model.dtype), and why
     # Distinct micro-batch shapes seen (each a compiled trace when the engine compiles).
     signatures: set = field(default_factory=set)
     _update: tuple[int, Callable] | None = field(default=None, repr=False)
@@ -196,13 +197,14 @@ def _refuse_identical(pairs: Pairs, path: Path) -> None:
 
 
 def build_session(base_dir: str | Path, rendered_dir: str | Path, settings: TrainSettings,
-                  resolved: ResolvedRun | None = None) -> Session:
-    """Load the base model, add LoRA (warm-started if asked), and set up the optimizer and the step order.
+                  resolved: ResolvedRun | None = None, dtype: str = "auto") -> Session:
+    """Load the base model in `dtype` (model.dtype), add LoRA (warm-started if asked), and set up the optimizer
+    and the step order.
 
     `resolved`: the run's recorded resolution of `settings` (resume, replay); None decides it here.
     """
     shard = join(settings.distributed)
-    model, _ = load_model(resolve_model_dir(base_dir, weights=True))
+    model, _, precision = load_model(resolve_model_dir(base_dir, weights=True), dtype, announce=shard.is_main)
     if resolved is None:
         resolved = resolve_run(settings, model)
     s = resolved.settings
@@ -224,4 +226,4 @@ def build_session(base_dir: str | Path, rendered_dir: str | Path, settings: Trai
     schedule = batch_schedule(pair_lengths(train), rows_per_step, s.epochs, s.seed, s.max_steps, window)
     opt = lora_adamw(s.schedule, s.lr, len(schedule), warmup_steps_for(len(schedule), s.warmup),
                      s.weight_decay, s.lora.plus_ratio)
-    return Session(resolved, model, opt, adapter_config, train, schedule, keys, init, shard)
+    return Session(resolved, model, opt, adapter_config, train, schedule, keys, init, shard, precision=precision)

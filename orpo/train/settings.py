@@ -101,6 +101,7 @@ class TrainSettings:
     checkpoint_each_epoch: bool
     keep_last: int
     log_every: int
+    report_to: tuple[str, ...]
     init_adapter: str | None
     lora: LoraSettings
     engine: EngineSettings

@@ -27,6 +27,7 @@ from orpo.train.progress import Progress
 from orpo.settings import as_dict
 from orpo.train.session import Session, TrainingError, build_session
 from orpo.train.settings import ResolvedRun, TrainSettings, recorded_run
+from orpo.train.tracking import open_trackers, require
 
 __all__ = ["Session", "TrainingError", "build_session", "replay", "train"]
 
@@ -47,8 +48,9 @@ NO_VALIDATION = ("no validation pairs (curate.validation_fraction 0: every pair 
 
 
 def train(base_dir: str | Path, rendered_dir: str | Path, out_dir: str | Path,
-          settings: TrainSettings) -> dict[str, Any] | None:
-    """Train an ORPO LoRA adapter; write the run folder (adapter, checkpoints, index, metrics).
+          settings: TrainSettings, dtype: str = "auto") -> dict[str, Any] | None:
+    """Train an ORPO adapter (or, with method full, the model) on the base model in `dtype` (model.dtype); write
+    the run folder (adapter, checkpoints, index, metrics).
 
     Work happens in `<out_dir>.partial`; a run killed midway resumes there from its last checkpoint when
     started again with the same settings, and the folder is renamed to `out_dir` when the run completes.
@@ -60,9 +62,11 @@ def train(base_dir: str | Path, rendered_dir: str | Path, out_dir: str | Path,
     """
     out_dir = Path(out_dir)
     work = out_dir.with_name(out_dir.name + ".partial")
-    sess = build_session(base_dir, rendered_dir, settings, _resumable(work, settings, base_dir, rendered_dir))
+    require(settings.report_to)  # a missing tracking library fails before the model loads
+    sess = build_session(base_dir, rendered_dir, settings, _resumable(work, settings, base_dir, rendered_dir), dtype)
     record = {"settings": as_dict(settings), "resolved": sess.resolved.to_json(), "base": str(base_dir),
-              "rendered": str(rendered_dir), "total_steps": sess.total_steps, "init_adapter": sess.init_adapter}
+              "rendered": str(rendered_dir), "total_steps": sess.total_steps, "init_adapter": sess.init_adapter,
+              "precision": sess.precision.record()}
     if sess.shard.is_main:
         with work_lock(out_dir):
             return _train(sess, record, rendered_dir, out_dir, work)
@@ -139,7 +143,10 @@ def _train(sess: Session, record: dict[str, Any], rendered_dir: str | Path, out_
 
     ckpt_steps = set(_checkpoint_steps(s, sess.total_steps, _steps_per_epoch(sess)))
     with cache_policy(s.engine.cache_limit_gb) as cache, \
-            open(work / "metrics.jsonl", "a", encoding="utf-8") as metrics_file:
+            open(work / "metrics.jsonl", "a", encoding="utf-8") as metrics_file, \
+            open_trackers(s.report_to, work, record, start) as trackers:
+        if start == 0 and index["baseline"]:
+            trackers.log(index["baseline"], 0, "validation")
         cache.start()
         rate = Throughput()
         batches = sess.prepare(start + 1) if start < sess.total_steps else []
@@ -155,6 +162,7 @@ def _train(sess: Session, record: dict[str, Any], rendered_dir: str | Path, out_
                  "cache_memory_mb": round(mx.get_cache_memory() / 2**20, 3),
                  "peak_memory_mb": round(mx.get_peak_memory() / 2**20, 3)}
             metrics_file.write(json.dumps(m) + "\n")
+            trackers.log(m, step, "train")
             progress.step(m)
             if step % s.log_every == 0:
                 metrics_file.flush()
@@ -162,7 +170,9 @@ def _train(sess: Session, record: dict[str, Any], rendered_dir: str | Path, out_
                 v = sess.evaluate(val) if len(val) else None
                 if v is not None:
                     metrics_file.write(json.dumps({"step": step, "split": "validation", **v}) + "\n")
+                    trackers.log(v, step, "validation")
                 metrics_file.flush()
+                trackers.flush()
                 why = v and diverged(v, index["baseline"], sess.model.args.vocab_size, s.divergence_ratio)
                 if why:
                     kept = [k for k in kept_steps(work) if str(k) in index["checkpoints"]]
@@ -313,7 +323,7 @@ def replay(
     """Re-run training to a checkpoint step and compare the adapter's sha256 with the run's index.
 
     The run's settings.json drives the replay: its resolved settings as the run decided them (a machine of
-    another backend is refused, `recorded_run`), every knob as it ran; a run of N processes replays
+    another backend is refused, `recorded_run`), every knob and the dtype it computed in as it ran; a run of N processes replays
     on N ranks (bit for bit; one process could match it only within float tolerance), and only rank 0
     returns the record (the others None). `from_="previous"` starts at the
     latest checkpoint still on disk before the target (its optimizer and loop state restored), so a step
@@ -325,7 +335,8 @@ def replay(
     settings, resolved, record = recorded_run(run_dir)
     index = read_index(run_dir)
     target = resolve_step(index, which)
-    sess = build_session(base_dir, rendered_dir, settings, resolved)
+    # The dtype the run computed in, whatever this machine's auto would choose: the same numbers.
+    sess = build_session(base_dir, rendered_dir, settings, resolved, record.get("precision", {}).get("dtype", "auto"))
     if record.get("init_adapter") and sess.init_adapter["sha256"] != record["init_adapter"]["sha256"]:
         raise ValueError(f"init_adapter {sess.init_adapter['path']} changed since the run (sha256 "
                          f"{sess.init_adapter['sha256'][:16]}, the run started from {record['init_adapter']['sha256'][:16]})")
@@ -345,5 +356,5 @@ def replay(
     return {
         "checkpoint": str(which), "step": target, "from_step": start, "steps_replayed": target - start,
         "expected_sha256": expected, "replayed_sha256": replayed, "equal": expected == replayed,
-        "processes": sess.shard.size, "seconds": round(time.time() - t0, 1),
+        "processes": sess.shard.size, "dtype": sess.precision.dtype, "seconds": round(time.time() - t0, 1),
     }

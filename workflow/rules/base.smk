@@ -16,5 +16,5 @@ rule base:
     benchmark:
         "benchmarks/{up}base.tsv"
     shell:
-        "orpo base --raw {params.raw} --on-error {params.on_error} --out {params.out} --settings {params.settings:q} "
+        "orpo base --raw {params.raw} --on-error {params.on_error} --out {params.out} --settings @{params.settings} "
         "> {log} 2>&1"

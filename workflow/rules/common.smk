@@ -4,6 +4,7 @@
 # ("" in the flat layout of a single experiment, "<name>/" with experiments) and {up} on shared stages ("" or
 # "shared/<key>/", the key a hash of the stage's settings). Input and param functions map a job's wildcard
 # back to an experiment's config: per_exp(f) calls f(experiment name), shared(f) an experiment reading it.
+import hashlib
 import json
 import os
 import sys
@@ -11,6 +12,7 @@ import sys
 from orpo.config import SPIN_DAG_KEYS, ConfigError, validate_config
 from orpo.folders import MARKER, marker
 from orpo.experiments import Layout, prompt_rendering
+from orpo.io import write_text
 from orpo.versions import code_version
 
 try:
@@ -82,14 +84,33 @@ def shared(fn):
     return lambda wildcards: fn(L.owner(wildcards.up))
 
 
+SETTINGS_DIR = "results/settings"
+
+
+def settings_file(kind, value):
+    """`value` as canonical JSON in results/settings/<kind>-<its sha256>.json (written when missing): the path a
+    rule takes as a param and passes as `--settings @PATH`. Commands stay short; the name is the content's hash,
+    so any change in the settings changes the param (the job reruns) and no job reads another's settings."""
+    text = json.dumps(value, sort_keys=True)
+    path = f"{SETTINGS_DIR}/{kind}-{hashlib.sha256(text.encode()).hexdigest()[:16]}.json"
+    if not os.path.exists(path):
+        write_text(path, text + "\n")
+    return path
+
+
 def section(name, key):
-    """One experiment's config section as canonical JSON: the rule's param, so any change in it reruns the rule."""
-    return json.dumps(L.config(name)[key], sort_keys=True)
+    """One experiment's config section as a settings file: the rule's param, so any change in it reruns the rule."""
+    return settings_file(key, L.config(name)[key])
 
 
 def rendering(name):
-    """The render settings that shape a prompt's text, as canonical JSON: generation renders the same way."""
-    return json.dumps(prompt_rendering(L.config(name)), sort_keys=True)
+    """The render settings that shape a prompt's text, as a settings file: generation renders the same way."""
+    return settings_file("prompt-rendering", prompt_rendering(L.config(name)))
+
+
+def model_dtype(name):
+    """model.dtype, the dtype every stage that loads the model computes in (`--dtype`)."""
+    return L.config(name)["model"]["dtype"]
 
 
 def report_group(wildcards):
@@ -106,8 +127,8 @@ def experiment_targets(rel):
 
 
 def spin_settings(name):
-    """config.spin minus the DAG keys, as canonical JSON: the spin core's settings."""
-    return json.dumps({k: v for k, v in L.config(name)["spin"].items() if k not in SPIN_DAG_KEYS}, sort_keys=True)
+    """config.spin minus the DAG keys, as a settings file: the spin core's settings."""
+    return settings_file("spin", {k: v for k, v in L.config(name)["spin"].items() if k not in SPIN_DAG_KEYS})
 
 
 def spin_sft_arg(name):
@@ -136,4 +157,4 @@ def spin_train_settings(wildcards):
     """config.train warm-started from the generator's adapter: iteration k trains on from iteration k-1."""
     previous = spin_adapter(wildcards)
     train = L.config(L.name(wildcards.exp))["train"]
-    return json.dumps({**train, "init_adapter": folder(previous[0]) if previous else None}, sort_keys=True)
+    return settings_file("train", {**train, "init_adapter": folder(previous[0]) if previous else None})

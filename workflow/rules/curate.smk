@@ -18,4 +18,4 @@ rule curate:
         "benchmarks/{up}curate.tsv"
     shell:
         "orpo curate --inputs {params.raw} --out {params.out} --tokenizer-from {params.model} "
-        "--eval-prompts {input.eval_prompts} --settings {params.settings:q} > {log} 2>&1"
+        "--eval-prompts {input.eval_prompts} --settings @{params.settings} > {log} 2>&1"

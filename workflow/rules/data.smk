@@ -10,4 +10,4 @@ rule data:
     benchmark:
         "benchmarks/{up}data.tsv"
     shell:
-        "orpo data rows --out {output} --settings {params.settings:q} > {log} 2>&1"
+        "orpo data rows --out {output} --settings @{params.settings} > {log} 2>&1"

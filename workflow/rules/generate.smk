@@ -15,6 +15,7 @@ rule generate_base:
         model=shared(L.model_ref),
         settings=shared(lambda n: section(n, "generate")),
         render=shared(rendering),
+        dtype=shared(model_dtype),
         limit=lambda wc: L.prompt_set(L.owner(wc.up), wc.set)[1],
         code=CODE["generate"],
     threads: workflow.cores
@@ -24,7 +25,8 @@ rule generate_base:
         "benchmarks/{up}generate_base_{set}.tsv"
     shell:
         "orpo generate --model {params.model} --prompts {input.prompts} --label base --limit {params.limit} "
-        "--render-settings {params.render:q} --out {output} --settings {params.settings:q} > {log} 2>&1"
+        "--dtype {params.dtype} --render-settings @{params.render} --out {output} --settings @{params.settings} "
+        "> {log} 2>&1"
 
 
 rule generate_orpo:
@@ -39,6 +41,7 @@ rule generate_orpo:
         model=per_exp(L.model_ref),
         settings=per_exp(lambda n: section(n, "generate")),
         render=per_exp(rendering),
+        dtype=per_exp(model_dtype),
         limit=lambda wc: L.prompt_set(L.name(wc.exp), wc.set)[1],
         checkpoint=per_exp(lambda n: L.config(n)["generate"]["adapter"]),
         run=lambda wildcards, input: folder(input.run),
@@ -51,5 +54,5 @@ rule generate_orpo:
         "benchmarks/{exp}generate_orpo_{set}.tsv"
     shell:
         "orpo generate --model {params.model} --adapter {params.run} --checkpoint {params.checkpoint} "
-        "--prompts {input.prompts} --label {params.label} --limit {params.limit} "
-        "--render-settings {params.render:q} --out {output} --settings {params.settings:q} > {log} 2>&1"
+        "--prompts {input.prompts} --label {params.label} --limit {params.limit} --dtype {params.dtype} "
+        "--render-settings @{params.render} --out {output} --settings @{params.settings} > {log} 2>&1"

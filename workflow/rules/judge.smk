@@ -30,6 +30,8 @@ rule judge:
     params:
         questions=lambda wildcards, input: folder(input.questions),
         settings=per_exp(lambda n: section(n, "judge")),
+        # An mlx judge computes in model.dtype; a server's judge is not loaded here.
+        dtype=per_exp(lambda n: model_dtype(n) if L.config(n)["judge"]["kind"] == "mlx" else "auto"),
         out="results/{exp}judge",
         code=CODE["judge"],
     threads: workflow.cores
@@ -39,7 +41,7 @@ rule judge:
         "benchmarks/{exp}judge.tsv"
     shell:
         "orpo judge run --questions {params.questions} --a orpo={input.orpo} --b base={input.base} "
-        "--out {params.out} --settings {params.settings:q} > {log} 2>&1"
+        "--out {params.out} --dtype {params.dtype} --settings @{params.settings} > {log} 2>&1"
 
 
 # judge.questions given as a dataset folder or hub id: normalised to FastChat's question.jsonl layout (see

@@ -30,7 +30,7 @@ rule paper_table:
     output:
         "results/paper/{name}/table.md",
     params:
-        spec=json.dumps(PAPER, sort_keys=True),
+        spec=lambda wildcards: settings_file("paper", PAPER),
         results=lambda wildcards, input: labelled(input),
         code=CODE["report"],
     log:
@@ -38,7 +38,7 @@ rule paper_table:
     benchmark:
         "benchmarks/paper/{name}/table.tsv"
     shell:
-        "orpo report paper-table --spec {params.spec:q} --results {params.results} --out {output} > {log} 2>&1"
+        "orpo report paper-table --spec @{params.spec} --results {params.results} --out {output} > {log} 2>&1"
 
 
 rule paper_judge:
@@ -47,7 +47,7 @@ rule paper_judge:
     output:
         "results/paper/{name}/judge.md",
     params:
-        spec=json.dumps(PAPER, sort_keys=True),
+        spec=lambda wildcards: settings_file("paper", PAPER),
         results=lambda wildcards, input: labelled(input),
         code=CODE["report"],
     log:
@@ -55,4 +55,4 @@ rule paper_judge:
     benchmark:
         "benchmarks/paper/{name}/judge.tsv"
     shell:
-        "orpo report paper-judge --spec {params.spec:q} --results {params.results} --out {output} > {log} 2>&1"
+        "orpo report paper-judge --spec @{params.spec} --results {params.results} --out {output} > {log} 2>&1"

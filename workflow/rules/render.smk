@@ -16,4 +16,4 @@ rule render:
         "benchmarks/{up}render.tsv"
     shell:
         "orpo render --model {params.model} --curated {params.curated} --out {params.out} "
-        "--settings {params.settings:q} > {log} 2>&1 && " + CONSOLE_NOTES
+        "--settings @{params.settings} > {log} 2>&1 && " + CONSOLE_NOTES

@@ -25,6 +25,7 @@ rule spin_pairs:
         adapter=lambda wildcards, input: f"--adapter {folder(input.adapter[0])}" if input.adapter else "",
         render=per_exp(rendering),
         settings=per_exp(spin_settings),
+        dtype=per_exp(model_dtype),
         code=CODE["spin"],
     threads: workflow.cores
     log:
@@ -32,8 +33,8 @@ rule spin_pairs:
     benchmark:
         "benchmarks/{exp}spin_pairs_iter{k}.tsv"
     shell:
-        "orpo spin --sft {params.sft} --model {params.model} {params.adapter} --render-settings {params.render:q} "
-        "--iteration {wildcards.k} --out {params.out} --settings {params.settings:q} > {log} 2>&1"
+        "orpo spin --sft {params.sft} --model {params.model} {params.adapter} --render-settings @{params.render} "
+        "--iteration {wildcards.k} --out {params.out} --dtype {params.dtype} --settings @{params.settings} > {log} 2>&1"
 
 
 # Each iteration's render, train, generate and IFEval are the stage rules on the iteration's folders.

@@ -9,15 +9,15 @@ rule summary_table:
         table="results/summary.md",
         plot=report("results/summary.png", caption="../report/summary.rst", category="Summary"),
     params:
-        experiments=json.dumps({n: {"folder": L.path(n, ""), "adapter": L.config(n)["generate"]["adapter"]}
-                                for n in L.configs}, sort_keys=True),
+        experiments=lambda wildcards: settings_file("summary", {
+            n: {"folder": L.path(n, ""), "adapter": L.config(n)["generate"]["adapter"]} for n in L.configs}),
         code=CODE["summary"],
     log:
         "logs/summary.log",
     benchmark:
         "benchmarks/summary.tsv"
     shell:
-        "orpo report summary --experiments {params.experiments:q} --out {output.table} --plot {output.plot} "
+        "orpo report summary --experiments @{params.experiments} --out {output.table} --plot {output.plot} "
         "> {log} 2>&1"
 
 

@@ -11,6 +11,7 @@ rule train:
         out=lambda wildcards, output: folder(output[0]),
         model=per_exp(L.model_ref),
         settings=per_exp(lambda n: section(n, "train")),
+        dtype=per_exp(model_dtype),
         code=CODE["train"],
     threads: workflow.cores
     log:
@@ -18,5 +19,5 @@ rule train:
     benchmark:
         "benchmarks/{exp}train.tsv"
     shell:
-        "orpo train --model {params.model} --rendered {params.rendered} --out {params.out} "
-        "--settings {params.settings:q} > {log} 2>&1"
+        "orpo train --model {params.model} --rendered {params.rendered} --out {params.out} --dtype {params.dtype} "
+        "--settings @{params.settings} > {log} 2>&1"

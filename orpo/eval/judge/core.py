@@ -46,12 +46,12 @@ class _Item:
     key: str
 
 
-def make_judge(s: JudgeSettings) -> Judge:
-    """The judge backend the settings name (`kind`: mlx or openai)."""
+def make_judge(s: JudgeSettings, dtype: str = "auto") -> Judge:
+    """The judge backend the settings name (`kind`: mlx, computing in `dtype` (model.dtype), or openai)."""
     if s.kind == "mlx":
         from orpo.eval.judge.mlx_judge import MlxJudge
 
-        return MlxJudge(s)
+        return MlxJudge(s, dtype)
     from orpo.eval.judge.http_judge import HttpJudge
 
     return HttpJudge(s)
@@ -60,17 +60,19 @@ def make_judge(s: JudgeSettings) -> Judge:
 def judge_pairs(
     questions: list[Question], answers_a: dict[str, str], answers_b: dict[str, str], out_dir: str | Path,
     settings: JudgeSettings | Mapping[str, Any], labels: tuple[str, str] = ("a", "b"), meta: dict[str, Any] | None = None,
+    dtype: str = "auto",
 ) -> dict[str, Any]:
     """Judge model a against model b on each question in both orders; write verdicts and summary, return the summary.
 
-    Answers are keyed by question text. Returns the summary plus run counts (judged now, from cache).
+    Answers are keyed by question text. Returns the summary plus run counts (judged now, from cache). An mlx
+    judge computes in `dtype` (model.dtype).
     """
     s = resolve_settings(settings)
     out_dir = Path(out_dir)
     prompt = load_judge_prompt(s.prompts_file, s.template)
     questions = questions[: s.limit] if s.limit else list(questions)
     _check(questions, answers_a, answers_b, labels)
-    judge = make_judge(s)
+    judge = make_judge(s, dtype)
     items = _items(questions, answers_a, answers_b, prompt, judge.identity)
     cache = VerdictCache(s.cache or out_dir / "cache.jsonl")
     pending = list({it.key: it for it in items if it.key not in cache}.values())
@@ -97,7 +99,7 @@ def judge_pairs(
 
 def judge_files(
     questions_path: str | Path, generations_a: tuple[str, str | Path], generations_b: tuple[str, str | Path],
-    out_dir: str | Path, settings: JudgeSettings | Mapping[str, Any],
+    out_dir: str | Path, settings: JudgeSettings | Mapping[str, Any], dtype: str = "auto",
 ) -> dict[str, Any]:
     """judge_pairs on files: the prompt set's question file and two (label, generations.jsonl) pairs."""
     s = resolve_settings(settings)
@@ -106,7 +108,8 @@ def judge_files(
     meta = {"prompt_set": s.prompt_set, "questions_file": str(questions_path), "skipped": skipped,
             "first_turn_only": s.prompt_set == "mt_bench",
             "generations": {label_a: str(path_a), label_b: str(path_b)}}
-    return judge_pairs(questions, read_answers(path_a), read_answers(path_b), out_dir, s, (label_a, label_b), meta)
+    return judge_pairs(questions, read_answers(path_a), read_answers(path_b), out_dir, s, (label_a, label_b), meta,
+                       dtype)
 
 
 def _check(questions: list[Question], answers_a: dict[str, str], answers_b: dict[str, str],

@@ -96,9 +96,9 @@ def test_settings_wrong_types_named_by_dotted_key_and_numeric_strings_read():
 
 def test_unknown_setting_stops_the_command_before_any_work(tmp_path):
     result = orpo("train", "--model", tmp_path / "none", "--rendered", tmp_path / "none", "--out", tmp_path / "run",
-                  "--settings", json.dumps({"method": "full"}))
+                  "--settings", json.dumps({"optimizer": "sgd"}))
     assert result.returncode == 1
-    assert result.stderr.startswith("orpo train: error: --settings: unknown key train.method (allowed here: ")
+    assert result.stderr.startswith("orpo train: error: --settings: unknown key train.optimizer (allowed here: ")
     assert "lora" in result.stderr and not (tmp_path / "run").exists()
 
 

@@ -190,7 +190,17 @@ def test_a_full_run_leaves_a_model_folder_and_checkpoints(full_run, bf16_base, s
     assert float(mx.abs(base(ids).astype(mx.float32) - tuned(ids).astype(mx.float32)).max()) > 1e-3
     memory = index["run"]["memory_predicted"]
     assert memory["master_weights"] > 0 and memory["peak"] > memory["weights"] + memory["moments"]
-    assert index["run"]["memory"]["peak_gb"] > 0
+    # The activations are an estimate: the whole prediction within 2x of the measured peak here.
+    assert 0.5 < memory["peak"] / index["run"]["memory"]["peak_gb"] < 2, (memory, index["run"]["memory"])
+
+
+def test_a_prediction_past_the_device_is_a_warning():
+    from orpo.train.footprint import GB, over_device
+    from orpo.train.memory import device_memory
+
+    assert over_device({"peak": 1.0, "bytes": {"peak": GB}}) is None
+    past = device_memory() + GB
+    assert "segment_layers" in over_device({"peak": past / GB, "bytes": {"peak": past}})
 
 
 @pytest.mark.parametrize("start", ["zero", "previous"])

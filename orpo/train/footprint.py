@@ -14,7 +14,9 @@ from typing import Any
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
+from orpo.device import on_cuda
 from orpo.engine.head import chunk_for
+from orpo.train.memory import device_memory
 
 GB = 1e9
 
@@ -34,9 +36,9 @@ def parameter_bytes(model: Any, master_dtype: Any, grad_copies: int) -> dict[str
     }
 
 
-def activation_bytes(args: Any, dtype: Any, tokens: int, scored: int, engine: dict[str, Any],
-                     head_trains: bool) -> int:
-    """An estimate of a micro-batch's activations at its largest: `tokens` positions in its rows (in `dtype`),
+def activation_bytes(args: Any, dtype: Any, rows: int, width: int, scored: int, engine: dict[str, Any],
+                     head_trains: bool, fused_attention: bool) -> int:
+    """An estimate of a micro-batch's activations at its largest: `rows` rows of `width` positions (in `dtype`),
     `scored` of them reaching the head.
 
     A decoder layer keeps about 5 H + 2 q + 4 kv + 5 I values per token for its backward (norm inputs and outputs,
@@ -44,8 +46,12 @@ def activation_bytes(args: Any, dtype: Any, tokens: int, scored: int, engine: di
     without segments, one segment's plus the boundaries with them (its MLP part divided among mlp_chunks). The head:
     [tokens, V] logits in the model's dtype and twice in float32 for the naive one; for the fused one [chunk, V]
     float32 blocks, about 8 in flight in one graph and 2 evaluated chunk by chunk under segments (measured,
-    tests/test_engine_head.py), and its [V, H] float32 weight-gradient accumulator when the head trains.
+    tests/test_engine_head.py), and its [V, H] float32 weight-gradient accumulator when the head trains. Where
+    attention is not fused (MLX off CUDA differentiates a materialised one), each layer also keeps its
+    [rows, heads, width, width] probabilities in float32 (CPU, cpu-small geometry, one pair of 1024 + 1024 +
+    1024: predicted 1.5 GB, measured 1.19).
     """
+    tokens = rows * width
     hidden = args.hidden_size
     layers = getattr(args, "num_hidden_layers", 1)
     inter = getattr(args, "intermediate_size", None) or 4 * hidden  # families that name it otherwise: a typical MLP
@@ -56,10 +62,12 @@ def activation_bytes(args: Any, dtype: Any, tokens: int, scored: int, engine: di
     seg, chunks = int(engine["segment_layers"]), max(1, int(engine["mlp_chunks"]))
     mlp = 5 * inter
     attention = 5 * hidden + 2 * heads * head_dim + 4 * kv * head_dim
+    scores = 0 if fused_attention else rows * heads * width * width * 4  # per layer
     if seg:
-        stack = (math.ceil(layers / seg) + 1) * tokens * hidden * size + seg * tokens * (attention + mlp / chunks) * size
+        stack = (math.ceil(layers / seg) + 1) * tokens * hidden * size + seg * (tokens * (attention + mlp / chunks) * size
+                                                                                + scores)
     else:
-        stack = layers * tokens * (attention + mlp) * size
+        stack = layers * (tokens * (attention + mlp) * size + scores)
     vocab = args.vocab_size
     if engine["head"] == "fused":
         blocks = 2 if seg else 8
@@ -82,17 +90,26 @@ def predict_memory(sess: Any) -> dict[str, Any]:
     lengths = list(zip(map(len, pairs.prompt), map(len, pairs.chosen), map(len, pairs.rejected)))
     b = int(s["batch_size"])
     if engine["prefix_sharing"]:
-        tokens = b * max(p + c + r for p, c, r in lengths)
+        rows, width = b, max(p + c + r for p, c, r in lengths)
     else:
-        tokens = 2 * b * max(p + max(c, r) for p, c, r in lengths)
+        rows, width = 2 * b, max(p + max(c, r) for p, c, r in lengths)
     scored = b * max(c + r for _, c, r in lengths)
     norm = getattr(getattr(sess.model, "model", None), "norm", None)  # a float array even in a quantized model
     dtype = norm.weight.dtype if norm is not None and "weight" in norm else mx.float32
     head_trains = any(k.startswith(("lm_head.", "model.embed_tokens.")) for k, _ in
                       tree_flatten(sess.model.trainable_parameters()))
-    parts["activations"] = activation_bytes(sess.model.args, dtype, tokens, scored, engine, head_trains)
+    parts["activations"] = activation_bytes(sess.model.args, dtype, rows, width, scored, engine, head_trains, on_cuda())
     parts["peak"] = sum(parts.values())
     out: dict[str, Any] = {k: round(v / GB, 6) for k, v in parts.items()}
     out["bytes"] = parts
-    out["rows_tokens"] = tokens
+    out["rows"], out["width"] = rows, width
     return out
+
+
+def over_device(predicted: dict[str, Any]) -> str | None:
+    """A warning when the predicted peak passes the device's memory (the run would likely fail), else None."""
+    device = device_memory()
+    if predicted["bytes"]["peak"] <= device:
+        return None
+    return (f"the predicted peak {predicted['peak']:.1f} GB passes the device's {device / GB:.1f} GB; a segmented "
+            "backward (train.engine.segment_layers: 1, mlp_chunks) keeps a layer's activations instead of all")

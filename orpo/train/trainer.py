@@ -20,7 +20,7 @@ from orpo.io import atomic_path, write_json
 from orpo.train.checkpoint import (kept_steps, load_checkpoint, prune_checkpoints, read_index, resolve_step,
                                    save_checkpoint, save_weights, step_dir)
 from orpo.train.data import load_pairs
-from orpo.train.footprint import predict_memory
+from orpo.train.footprint import over_device, predict_memory
 from orpo.train.full import is_full, keeps_optimizer, publish_model
 from orpo.train.memory import cache_policy
 from orpo.train.progress import Progress
@@ -100,7 +100,7 @@ def _train(sess: Session, base_dir: str | Path, rendered_dir: str | Path, out_di
     if resumed:
         progress.event({"resumed_from_step": start})
     predicted = predict_memory(sess)  # printed before the first step; index.json's run.memory_predicted keeps it
-    progress.event({"predicted_memory_gb": predicted})
+    progress.event({"predicted_memory_gb": predicted, **({"warning": w} if (w := over_device(predicted)) else {})})
     val = load_pairs(Path(rendered_dir) / "validation.parquet")
     index = read_index(work)
     if start == 0:

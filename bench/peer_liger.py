@@ -224,13 +224,14 @@ def _rss_bytes() -> int:
 
 
 def describe(config: dict[str, Any]) -> str:
-    """The table's path column: adapter dtype, decoder compiled or eager, the loss (-c: compiled), checkpointing.
+    """The table's path column: adapter dtype (F16/F32 training every weight), decoder compiled or eager, the loss
+    (-c: compiled), checkpointing.
 
     At most 22 characters, so bench/engine.py's 'torch PATH' keeps the first three parts.
     """
     dtype = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}.get(config["lora_param_dtype"], "mixed")
-    if config.get("method") == "full":
-        dtype = "full-" + ("fp32m" if config["autocast"] else dtype)
+    if config.get("method") == "full":  # F: every weight trains, kept in the model's 16-bit dtype or in float32
+        dtype = "F32" if config["autocast"] or config["weights_dtype"] == "float32" else "F16"
     loss_part = ("liger-c" if config["liger_compiled"] else "liger") if config["loss"] == "liger" else "smoke"
     parts = [dtype, "comp" if config["compile_decoder"] else "eager", loss_part]
     return "/".join(parts + (["ckpt"] if config["checkpointing"] else []))

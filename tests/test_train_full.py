@@ -245,10 +245,11 @@ def test_generate_takes_a_full_run_for_its_adapter(full_run, bf16_base, tmp_path
     prompts.write_text(json.dumps({"key": 1, "prompt": "Tell me about the cat.", "instruction_id_list": [], "kwargs": []}) + "\n")
     settings = {"max_tokens": 12}
     responses = {}
-    for name, adapter in (("base", None), ("final", full_run)):
-        generate(bf16_base, prompts, tmp_path / f"{name}.jsonl", settings, adapter=adapter)
+    for name, model, adapter in (("base", bf16_base, None), ("final", bf16_base, full_run),
+                                 ("model", full_run / "model", None)):
+        generate(model, prompts, tmp_path / f"{name}.jsonl", settings, adapter=adapter)
         responses[name] = json.loads((tmp_path / f"{name}.jsonl").read_text().splitlines()[0])["response"]
-    assert responses["final"] != responses["base"], responses
+    assert responses["final"] == responses["model"] != responses["base"], responses
     done = subprocess.run([sys.executable, "-m", "orpo.cli", "generate", "--model", str(bf16_base), "--prompts",
                            str(prompts), "--out", str(tmp_path / "step4.jsonl"), "--settings", json.dumps(settings),
                            "--adapter", str(full_run), "--checkpoint", "4"], capture_output=True, text=True, timeout=300)

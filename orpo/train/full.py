@@ -24,7 +24,6 @@ from mlx.utils import tree_flatten
 from orpo.io import sha256_file
 from orpo.optim import FlatAdamW, lr_schedule
 
-METHODS = ("lora", "full")
 WEIGHTS = "model.safetensors"
 # A bucket of the flat optimizer holds at most this many elements (a weight larger than it is its own): an
 # update's temporaries are a bucket's, not the model's, and a lone weight's gradient is a view, not a copy.
@@ -57,8 +56,8 @@ def frozen_modules(model: nn.Module, freeze: list[str]) -> list[str]:
 def apply_full(model: nn.Module, settings: dict[str, Any]) -> dict[str, Any]:
     """Make every weight of `model` trainable but the frozen modules; returns the run's weight record.
 
-    A quantized model cannot train its packed weights: refused. The record is what `adapter_config` is for a
-    LoRA run (the trainer writes it into each checkpoint's `adapter_config.json`-like `full_config.json`).
+    A quantized model cannot train its packed weights: refused. The record plays the part of a LoRA run's
+    `adapter_config` (the session's, written into each checkpoint folder as `full_config.json`).
     """
     quantized = [name for name, m in model.named_modules()
                  if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))]

@@ -148,7 +148,7 @@ def run_head_case(case: Case, steps: int, warmup: int, seed: int) -> dict[str, A
 
         def eager_step() -> tuple[mx.array, mx.array]:
             logp, grad_fn = fused_logp_eager(head, h, targets, engine.head_chunk, engine.overlap)
-            return logp.mean(), grad_fn(mx.full(logp.shape, 1.0 / m))
+            return logp.mean(), grad_fn(mx.full(logp.shape, 1.0 / m)).hidden
 
         out, (loss, _) = _timed(eager_step, steps, warmup)
         return {**out, "path": path, "loss": loss.item(), "tokens_per_s": m / out["step_s"]}

@@ -273,6 +273,9 @@ SUITES: dict[str, Suite] = {
     "h200-head": _head_suite(LLAMA_1B, 32000, 256000, 8192, 1024),
     "h200-segments": _segment_suite(LLAMA_1B, 8, 32, 4),
     "h200-prefix": _prefix_suite(LLAMA_1B, 512),
+    # Mistral-7B's geometry at 4 pairs of 512 + 512 and of 1024 + 1024 (2048-token pairs): the shapes of
+    # `bench/trainer.py --geometry mistral-7b --method full`'s fixed cases, for the peer's full-parameter runs.
+    "mistral-7b": Suite([Case("naive", MISTRAL_7B), Case("naive-2048", replace(MISTRAL_7B, prompt=1024, response=1024))]),
 }
 
 

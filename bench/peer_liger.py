@@ -23,9 +23,17 @@ full-logits ORPO loss written from the paper (Hong et al. 2024), labelled as suc
 loss is plain torch and runs on CPU too; `--check` proves both losses agree on one batch).
 Needs torch, transformers, peft and liger-kernel (not in the project's venv; see bench/gpu_wheels.md).
 
+`--method full` is full-parameter ORPO instead (no peft: every weight trains, torch's AdamW at lr 5e-6, fused
+on CUDA), and each timed step then includes the optimizer's step, as `bench/trainer.py --method full` does.
+Two precisions, each without and with gradient checkpointing: `liger-full`, the model, its gradients and
+AdamW's moments in bf16, updated in place (8 bytes per parameter; at lr 5e-6 most bf16 weights do not
+move); `liger-full-fp32master`, float32 weights, gradients and moments under bf16 autocast (16 bytes per
+parameter: the precision `orpo train`'s full mode keeps, its masters float32 under bf16 weights).
+
     python bench/peer_liger.py --shape h200 --json $OUT/peer.json          # on the GPU
     /tmp/peervenv/bin/python bench/peer_liger.py --shape cpu-small --check  # CPU smoke
     python bench/peer_liger.py --shape h200 --variants all                 # the weaker configurations too
+    python bench/peer_liger.py --shape mistral-7b --method full --json $OUT/peer-full-7b.json
 """
 
 from __future__ import annotations
@@ -70,21 +78,31 @@ CONFIGS = {
 }
 
 
-def peer_cases(suite_name: str, loss: str) -> list[Case]:
+# Full-parameter training (--method full): which dtype the weights, gradients and moments are kept in.
+# "model": the model's (bf16), updated in place; "fp32": float32 under torch.autocast of the forward to bf16.
+FULL_CONFIGS = {
+    "-full": {"method": "full", "master": "model", "compile_decoder": True},
+    "-full-fp32master": {"method": "full", "master": "fp32", "compile_decoder": True},
+}
+FULL_LR = 5e-6  # the ORPO paper's
+
+
+def peer_cases(suite_name: str, loss: str, method: str = "lora") -> list[Case]:
     """Per step shape of the suite, each configuration without and with gradient checkpointing.
 
-    Every variant's ratios are taken against the default configuration without checkpointing (`liger`)
-    of its shape; which of them run by default is `is_default`.
+    Every variant's ratios are taken against the default configuration without checkpointing (`liger`, or
+    `liger-full` with method full) of its shape; which of them run by default is `is_default`.
     """
     shapes = step_shapes(SUITES[suite_name])
+    configs = CONFIGS if method == "lora" else FULL_CONFIGS
     cases = []
     for label, shape in shapes.items():
         if shape.prompt_spread:
             print(f"peer_liger: skipping {label}: its rows differ in length, and the peer's batch is unpadded")
             continue
         suffix = f"-{label}" if len(shapes) > 1 else ""
-        best = f"{loss}{suffix}"
-        for config, opts in CONFIGS.items():
+        best = f"{loss}{next(iter(configs))}{suffix}"
+        for config, opts in configs.items():
             for ckpt in (False, True):
                 name = f"{loss}{config}{'-ckpt' if ckpt else ''}{suffix}"
                 cases.append(Case(name, shape, engine={**opts, "checkpointing": ckpt}, baseline=best))
@@ -92,8 +110,10 @@ def peer_cases(suite_name: str, loss: str) -> list[Case]:
 
 
 def is_default(case: Case) -> bool:
-    """Whether the variant is of the default configuration (what runs without --variants)."""
-    return {k: v for k, v in case.engine.items() if k != "checkpointing"} == CONFIGS[""]
+    """Whether the variant is of the default configuration (what runs without --variants): for full-parameter
+    training both precisions, whose memory differs by 2x."""
+    opts = {k: v for k, v in case.engine.items() if k != "checkpointing"}
+    return opts == CONFIGS[""] or opts in FULL_CONFIGS.values()
 
 
 def peer_config(case: Case, loss: str, liger_compiled: bool, compile_decoder: str, cuda: bool) -> dict[str, Any]:
@@ -105,16 +125,21 @@ def peer_config(case: Case, loss: str, liger_compiled: bool, compile_decoder: st
     opts = case.engine
     adapters = opts.get("adapter_dtype", "model")
     compile_it = (bool(opts.get("compile_decoder")) and cuda) if compile_decoder == "auto" else compile_decoder == "yes"
+    method, master = opts.get("method", "lora"), opts.get("master", "model")
+    weights = "float32" if method == "full" and master == "fp32" else case.shape.dtype
     return {"model_dtype": case.shape.dtype, "adapter_dtype": adapters, "autocast_adapter_dtype": adapters == "fp32",
             "compile_decoder": compile_it, "checkpointing": bool(opts["checkpointing"]), "loss": loss,
-            "liger_compiled": loss == "liger" and liger_compiled}
+            "liger_compiled": loss == "liger" and liger_compiled, "method": method, "weights_dtype": weights,
+            "autocast": weights != case.shape.dtype}
 
 
-def build_model(shape: Shape, seed: int, device: str, checkpointing: bool, adapter_dtype: str = "model") -> Any:
+def build_model(shape: Shape, seed: int, device: str, checkpointing: bool, adapter_dtype: str = "model",
+                method: str = "lora", weights_dtype: str | None = None) -> Any:
     """Random-init LlamaForCausalLM (seeded, shape's dtype) with peft LoRA; gradient checkpointing if asked.
 
     adapter_dtype "model": the adapters in the model's dtype; "fp32": peft's default autocast, which puts
-    the adapters of a bf16/fp16 model (and so their inputs) in float32.
+    the adapters of a bf16/fp16 model (and so their inputs) in float32. method "full": no peft, every weight
+    trainable, in `weights_dtype` (default the shape's).
     """
     import torch
     from peft import LoraConfig, get_peft_model
@@ -123,9 +148,12 @@ def build_model(shape: Shape, seed: int, device: str, checkpointing: bool, adapt
     torch.manual_seed(seed)
     config = LlamaConfig(**shape.llama_config(), max_position_embeddings=max(4096, shape.prompt + 2 * shape.response))
     with torch.device(device):
-        model = LlamaForCausalLM(config).to(getattr(torch, shape.dtype))
+        model = LlamaForCausalLM(config).to(getattr(torch, weights_dtype or shape.dtype))
     if checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if method == "full":
+        model.train()
+        return model
     lora = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=LORA_TARGETS, bias="none",
                       task_type="CAUSAL_LM")
     model = get_peft_model(model, lora, autocast_adapter_dtype=adapter_dtype == "fp32")
@@ -178,9 +206,14 @@ def step_loss(model: Any, tokens: Any, targets: Any, loss_fn: Any, decoder: Any 
 
     `decoder`: what to call for the LlamaModel (its torch.compile'd wrapper); the model's own by default.
     """
-    base = model.get_base_model()
+    base = base_of(model)
     hidden = (base.model if decoder is None else decoder)(input_ids=tokens, use_cache=False).last_hidden_state
     return loss_fn(base.lm_head.weight, hidden[:, :-1], targets)
+
+
+def base_of(model: Any) -> Any:
+    """The LlamaForCausalLM under peft's wrapper (or the model itself, trained in full)."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
 def _rss_bytes() -> int:
@@ -190,11 +223,14 @@ def _rss_bytes() -> int:
 
 
 def describe(config: dict[str, Any]) -> str:
-    """The table's path column: adapter dtype, decoder compiled or eager, the loss (-c: compiled), checkpointing.
+    """The table's path column: adapter dtype (F16/F32 training every weight), decoder compiled or eager, the loss
+    (-c: compiled), checkpointing.
 
     At most 22 characters, so bench/engine.py's 'torch PATH' keeps the first three parts.
     """
     dtype = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}.get(config["lora_param_dtype"], "mixed")
+    if config.get("method") == "full":  # F: every weight trains, kept in the model's 16-bit dtype or in float32
+        dtype = "F32" if config["autocast"] or config["weights_dtype"] == "float32" else "F16"
     loss_part = ("liger-c" if config["liger_compiled"] else "liger") if config["loss"] == "liger" else "smoke"
     parts = [dtype, "comp" if config["compile_decoder"] else "eager", loss_part]
     return "/".join(parts + (["ckpt"] if config["checkpointing"] else []))
@@ -202,7 +238,9 @@ def describe(config: dict[str, Any]) -> str:
 
 def run_case(case: Case, steps: int, warmup: int, seed: int, loss: str, compiled: bool,
              compile_decoder: str) -> dict[str, Any]:
-    """Time one variant in this process: warm-up (compilation included), then `steps` forward+backward steps."""
+    """Time one variant in this process: warm-up (compilation included), then `steps` forward+backward steps
+    (and, training every weight, the optimizer's step)."""
+    import contextlib
     import resource
 
     import torch
@@ -210,19 +248,28 @@ def run_case(case: Case, steps: int, warmup: int, seed: int, loss: str, compiled
     cuda = torch.cuda.is_available()
     device = "cuda" if cuda else "cpu"
     config = peer_config(case, loss, compiled, compile_decoder, cuda)
-    model = build_model(case.shape, seed, device, config["checkpointing"], config["adapter_dtype"])
-    base = model.get_base_model()
+    full = config["method"] == "full"
+    model = build_model(case.shape, seed, device, config["checkpointing"], config["adapter_dtype"], config["method"],
+                        config["weights_dtype"])
+    base = base_of(model)
     # torch.compile is lazy: the decoder compiles in the first warm-up step, as Liger's chunk does.
     decoder = torch.compile(base.model) if config["compile_decoder"] else base.model
-    lora_dtypes = sorted({str(p.dtype).removeprefix("torch.") for n, p in model.named_parameters() if "lora_" in n})
-    config["lora_param_dtype"] = "/".join(lora_dtypes)  # what peft actually made
+    trained = [p for n, p in model.named_parameters() if full or "lora_" in n]
+    config["lora_param_dtype"] = "/".join(sorted({str(p.dtype).removeprefix("torch.") for p in trained}))
     tokens, targets = batch(case.shape, seed, device)
     loss_fn = loss_function(loss, compiled)
+    # The AdamW state is allocated in the first warm-up step, so it is in the resident memory measured after them.
+    opt = torch.optim.AdamW(model.parameters(), lr=FULL_LR, fused=cuda) if full else None
+    dtype = getattr(torch, case.shape.dtype)
+    autocast = (lambda: torch.autocast(device, dtype=dtype)) if config["autocast"] else contextlib.nullcontext
 
     def step() -> float:
         model.zero_grad(set_to_none=True)
-        value = step_loss(model, tokens, targets, loss_fn, decoder)
+        with autocast():
+            value = step_loss(model, tokens, targets, loss_fn, decoder)
         value.backward()
+        if opt is not None:
+            opt.step()
         return value
 
     for _ in range(warmup):
@@ -320,6 +367,8 @@ def main() -> None:
     ap.add_argument("--compile-decoder", choices=["auto", "yes", "no"], default="auto",
                     help="torch.compile of the decoder (auto: as each variant says, on CUDA only; yes/no: every variant)")
     ap.add_argument("--check", action="store_true", help="first check Liger's loss and gradients against the plain loss")
+    ap.add_argument("--method", choices=["lora", "full"], default="lora",
+                    help="lora: peft LoRA rank 16 on the seven projections; full: every weight, with AdamW's step")
     ap.add_argument("--timeout", type=int, default=300, help="seconds per variant before it is reported as failed")
     ap.add_argument("--json", help="write the machine-readable results here")
     ap.add_argument("--child", help=argparse.SUPPRESS)
@@ -353,7 +402,7 @@ def main() -> None:
         if not ok:
             sys.exit(1)
 
-    cases = peer_cases(a.shape, a.loss)
+    cases = peer_cases(a.shape, a.loss, a.method)
     if a.dtype:
         cases = [replace(c, shape=replace(c.shape, dtype=a.dtype)) for c in cases]
     if a.variants and a.variants.strip() != "all":
@@ -375,7 +424,8 @@ def main() -> None:
             sys.path.insert(0, str(HERE.parent))
             from orpo.io import write_json  # stdlib only: fine in the torch environment
 
-            write_json(a.json, {"bench": "peer_liger", "suite": a.shape, "loss": a.loss, "compiled": compiled,
+            write_json(a.json, {"bench": "peer_liger", "suite": a.shape, "method": a.method, "loss": a.loss,
+                                "compiled": compiled,
                                 "compile_decoder": a.compile_decoder,
                                 "steps": a.steps, "warmup": a.warmup, "seed": a.seed, "lambda": LAMBDA,
                                 "lora": {"rank": 16, "alpha": 32, "dropout": 0.0, "target_modules": LORA_TARGETS},
@@ -395,7 +445,8 @@ def main() -> None:
                                                               env["cuda_available"]), "result": result})
         save(records, complete=False)  # a run cut short still leaves the variants it finished
     print()
-    print(format_table(rows, f"peer (torch + transformers + peft LoRA + {a.loss}), suite {a.shape} "
+    trains = "peft LoRA" if a.method == "lora" else "every weight + AdamW"
+    print(format_table(rows, f"peer (torch + transformers + {trains} + {a.loss}), suite {a.shape} "
                              f"({time.time() - t0:.0f} s), ratios to the default configuration of the same shape "
                              "without checkpointing" + ("" if env["cuda_available"] else "; memory: max RSS")))
     save(records, complete=True)

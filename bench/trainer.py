@@ -10,6 +10,8 @@ and two-forward tokens (2 x prompt + chosen + rejected per pair, as bench/engine
 
 Cases (the lengths of `--lengths`):
   fixed          every pair P + R + R tokens (the engine bench's shape), batch 4
+  fixed-2048     every pair 1024 + 1024 + 1024 tokens (prompt + response = 2048, the ORPO paper's longest pair),
+                 batch `--long-batch` (default 4)
   ultrafeedback  prompt, chosen and rejected lengths drawn independently from log-normals with medians 150,
                  300, 300 tokens (sigma 0.8), clipped to 40-700 and 60-800: one epoch of `--pairs` pairs,
                  batch 4 x grad_accum 8 (32 pairs per optimizer step, as the ORPO paper's recipe)
@@ -19,9 +21,22 @@ Beside fixed and mean, `bench/engine.py`'s step (value_and_grad + eval, no updat
 defaults on this machine, at the same shape, in its own process. `--profile` times the phases of the
 trainer's step one at a time (each followed by mx.eval) on the fixed shape.
 
+`--method full` trains every weight (train.method full: bf16 compute, float32 master weights and moments)
+instead of LoRA rank 16 on the seven projections, at lr 5e-6; the engine bench and the profile are LoRA's and
+are skipped, and each run's model folder is deleted once its numbers are read (at 7B: 14.5 GB each, on a
+machine of 64 GB of disk). Each case also reports the trainer's predicted peak beside its measured one.
+`--dtype` overrides the geometry's dtype (bfloat16 on the CPU exercises the float32 masters). At the Mistral-7B
+geometry the weights, gradients, masters and moments alone are 115.9 GB (16 bytes a parameter), so the
+whole-graph backward's activations (predicted 43 GB at 4 x 512 + 512, 84 GB at 4 x 1024 + 1024) do not fit
+beside them on one H200; with `--engine '{"segment_layers": 1}'` the prediction is 119.6 and 122.5 GB
+(`"mlp_chunks": 4` takes off 0.7 and 1.3 more). The trainer warns when its prediction passes the device.
+
     .venv/bin/python bench/trainer.py --geometry cpu-small --json /tmp/trainer.json
     python bench/trainer.py --geometry h200 --json $OUT/trainer-h200.json         # on the GPU (bench/gpu_wheels.md)
     python bench/trainer.py --geometry mistral-7b --lengths fixed --json $OUT/trainer-7b.json
+    python bench/trainer.py --geometry mistral-7b --method full --lengths fixed,fixed-2048 --steps 20 \
+        --engine '{"segment_layers": 1, "mlp_chunks": 4}' --json $OUT/full-7b.json
+    .venv/bin/python bench/trainer.py --geometry cpu-small --method full --dtype bfloat16 --lengths fixed --steps 5
 """
 
 from __future__ import annotations
@@ -29,6 +44,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -92,11 +108,13 @@ def write_model(shape: Shape, out: Path, seed: int) -> None:
     save_config(config, out / "config.json")
 
 
-def settings_for(batch: int, accum: int, steps: int, engine: dict[str, Any]) -> dict[str, Any]:
-    """The train settings of a case: LoRA rank 16 on the seven projections, one checkpoint at the end, every step
-    flushed to metrics.jsonl (so a run cut short still reports its steps)."""
+def settings_for(batch: int, accum: int, steps: int, engine: dict[str, Any], method: str = "lora") -> dict[str, Any]:
+    """The train settings of a case: LoRA rank 16 on the seven projections (or every weight, `method` full, at the
+    ORPO paper's lr 5e-6), one checkpoint at the end, every step flushed to metrics.jsonl (so a run cut short still
+    reports its steps)."""
+    trains = {"lora": LORA} if method == "lora" else {"method": "full", "lr": 5e-6}
     return {"lr": 1e-5, "batch_size": batch, "grad_accum": accum, "epochs": 1, "max_steps": steps,
-            "checkpoint_every": 0, "log_every": 1, "warmup": 0, "lora": LORA, "engine": engine}
+            "checkpoint_every": 0, "log_every": 1, "warmup": 0, **trains, "engine": engine}
 
 
 def steady(lines: list[dict[str, Any]], skip: int) -> dict[str, Any]:
@@ -155,7 +173,11 @@ def run_train(model: Path, rendered: Path, out: Path, settings: dict[str, Any], 
     if failed is None:
         run = json.loads((out / "index.json").read_text()).get("run", {})
         result.update({"traces": run.get("traces"), "memory": run.get("memory"),
+                       "memory_predicted": run.get("memory_predicted"),
                        "engine_resolved": json.loads((out / "settings.json").read_text())["resolved"]["settings"]["engine"]})
+    if settings.get("method") == "full":  # its weights are the model's size: gone once read
+        for folder in (out, out.with_name(out.name + ".partial")):
+            shutil.rmtree(folder, ignore_errors=True)
     return result
 
 
@@ -295,6 +317,10 @@ def new_shape_costs(model: Path, rendered: Path, settings: dict[str, Any], count
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--geometry", default="cpu-small", choices=sorted(GEOMETRIES))
+    ap.add_argument("--method", default="lora", choices=["lora", "full"],
+                    help="train.method: LoRA rank 16 on the seven projections, or every weight (full)")
+    ap.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="override the geometry's dtype")
+    ap.add_argument("--long-batch", type=int, default=4, help="pairs per micro-batch of the fixed-2048 case")
     ap.add_argument("--lengths", default="fixed,ultrafeedback,mean", help="cases to run, comma-separated")
     ap.add_argument("--steps", type=int, help="optimizer steps of the fixed cases (default 60 on GPU, 8 on CPU)")
     ap.add_argument("--pairs", type=int, help="pairs of the ultrafeedback epoch (default 4096 on GPU, 128 on CPU)")
@@ -323,8 +349,12 @@ def main() -> None:
     from orpo.blas import reexec_with_openblas
 
     reexec_with_openblas([], sys.argv)
-    shape = GEOMETRIES[a.geometry]
-    gpu = shape.dtype == "bfloat16"
+    shape = GEOMETRIES[a.geometry] if not a.dtype else replace(GEOMETRIES[a.geometry], dtype=a.dtype)
+    gpu = GEOMETRIES[a.geometry].dtype == "bfloat16"
+    if a.method == "full":
+        if a.profile or a.new_shapes:
+            sys.exit("--profile and --new-shapes time LoRA's step; run them with --method lora")
+        a.no_engine_bench = True  # bench/engine.py's step is LoRA's
     steps = a.steps or (60 if gpu else 8)
     n_pairs = a.pairs or (4096 if gpu else 128)
     warm = gpu if a.warm == "auto" else a.warm == "yes"
@@ -344,10 +374,12 @@ def main() -> None:
     mean_steps = min(len(draw) // 32, max(8, steps // 4))
     cases = {
         "fixed": ([(shape.prompt, shape.response, shape.response)] * (4 * steps + 8), 4, 1, steps),
+        "fixed-2048": ([(1024, 1024, 1024)] * (a.long_batch * steps + 8), a.long_batch, 1, steps),
         "ultrafeedback": (draw, 4, 8, 0),
         "mean": ([mean] * (32 * mean_steps + 8), 4, 8, mean_steps),
     }
-    results: dict[str, Any] = {"bench": "trainer", "geometry": a.geometry, "shape": shape.__dict__, "environment": env,
+    results: dict[str, Any] = {"bench": "trainer", "geometry": a.geometry, "method": a.method, "shape": shape.__dict__,
+                               "environment": env,
                                "ultrafeedback": {"spec": ULTRAFEEDBACK, "sigma": SIGMA, "pairs": n_pairs, "mean": mean},
                                "engine_overrides": engine, "cases": {}}
 
@@ -362,9 +394,9 @@ def main() -> None:
         rendered = work / f"rendered-{name}"
         write_rendered(rendered, lengths, shape.vocab, 2)
         skip = a.skip if accum == 1 else max(1, a.skip // 2)
-        warmup = run_train(model, rendered, work / f"warm-{name}", settings_for(batch, accum, 2, engine),
+        warmup = run_train(model, rendered, work / f"warm-{name}", settings_for(batch, accum, 2, engine, a.method),
                            a.timeout, 0) if warm else None
-        res = run_train(model, rendered, work / f"run-{name}", settings_for(batch, accum, max_steps, engine),
+        res = run_train(model, rendered, work / f"run-{name}", settings_for(batch, accum, max_steps, engine, a.method),
                         a.timeout, skip)
         if warmup is not None:
             res["warmup_wall_s"] = warmup["wall_s"]
@@ -375,9 +407,11 @@ def main() -> None:
             at = replace(shape, prompt=round(p), response=round((c + r) / 2), pairs=batch)
             res["engine_bench"] = engine_bench(at, a.timeout)
         results["cases"][name] = res
-        print(f"  {name}: " + (f"{res['step_s']:.3f} s/step, {res['two_forward_tokens_per_s']:.0f} two-forward tok/s"
-                               if "step_s" in res else "") + (f" ({res['failed']})" if "failed" in res else ""),
-              flush=True)
+        predicted = (res.get("memory_predicted") or {}).get("peak")
+        print(f"  {name}: " + (f"{res['step_s']:.3f} s/step, {res['two_forward_tokens_per_s']:.0f} two-forward tok/s, "
+                               f"peak {res['peak_gb']:.2f} GB" if "step_s" in res else "")
+              + (f" (predicted {predicted:.2f} GB)" if predicted else "")
+              + (f" ({res['failed']})" if "failed" in res else ""), flush=True)
         save()
     if a.profile:
         rendered = work / "rendered-fixed"
@@ -416,7 +450,8 @@ def format_report(results: dict[str, Any]) -> str:
     """The cases as one table, the engine bench beside the fixed shapes, then the profile."""
     head = (f"{'case':<14}{'P/C/R mean':>17}{'s/step':>9}{'row tok/s':>11}{'2-fwd tok/s':>12}{'padding':>9}"
             f"{'shapes':>7}{'traces':>7}{'peak GB':>9}{'cache GB':>9}{'engine s/step':>14}{'x engine':>9}")
-    lines = [f"orpo train, {results['geometry']} ({results['environment']['device']}), LoRA rank 16 x 7 projections",
+    trains = "every weight (full)" if results.get("method") == "full" else "LoRA rank 16 x 7 projections"
+    lines = [f"orpo train, {results['geometry']} ({results['environment']['device']}), {trains}",
              head, "-" * len(head)]
     for name, r in results["cases"].items():
         if "step_s" not in r:
@@ -433,6 +468,11 @@ def format_report(results: dict[str, Any]) -> str:
                      f"{r.get('traces') or 0:>7}{r['peak_gb']:>9.2f}{r['cache_gb']:>9.2f}{e}{x}")
     cases = results["cases"]
     for name, r in cases.items():
+        predicted = r.get("memory_predicted")
+        if predicted and "peak_gb" in r:
+            lines.append(f"{name}: predicted peak {predicted['peak']:.2f} GB (weights {predicted['weights']:.2f}, "
+                         f"gradients {predicted['gradients']:.2f}, masters {predicted['master_weights']:.2f}, moments "
+                         f"{predicted['moments']:.2f}, activations ~{predicted['activations']:.2f}), measured {r['peak_gb']:.2f}")
         if "failed" in r and "step_s" in r:
             lines.append(f"{name}: {r['failed']}; the numbers above are of its {r['steps']} logged steps")
         if r.get("steps_with_new_shapes"):

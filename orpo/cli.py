@@ -125,7 +125,7 @@ def cmd_train(a: argparse.Namespace) -> Any:
 
     dist = a.settings.distributed
     if needs_launch(dist):  # train.distributed.processes > 1: this same command as N ranks
-        raise SystemExit(launch(a.argv, dist, Path(a.out) / "adapters.safetensors"))
+        raise SystemExit(launch(a.argv, dist, Path(a.out) / "complete.json"))  # written last, either method
     from orpo.train.trainer import train
 
     index = train(a.model, a.rendered, a.out, a.settings, a.dtype)

@@ -88,16 +88,34 @@ def context_length(model_dir: str | Path) -> tuple[int, str] | None:
     return None
 
 
+def trained_model_folder(adapter: str | Path | None) -> Path | None:
+    """The model folder a full-parameter run left where an adapter is expected: a run's `model/`, or a checkpoint
+    folder (itself a model folder); None for an adapter folder or a LoRA run."""
+    if adapter is None:
+        return None
+    folder = Path(adapter)
+    if (folder / "adapters.safetensors").is_file():
+        return None
+    for candidate in (folder / "model", folder):
+        if (candidate / "config.json").is_file() and (candidate / "model.safetensors").is_file():
+            return candidate
+    return None
+
+
 def load_generator(
     model: str | Path, adapter: str | Path | None = None, render: dict[str, Any] | None = None,
     dtype: str = "auto",
 ) -> Generator:
     """Load a model folder or hub id in `dtype` (model.dtype), optionally with a LoRA adapter folder, for generation.
 
-    `render` is the render stage's settings: its template override, template variables, date and add_bos
-    apply here too, so generation prompts are rendered exactly as training prompts were.
+    An `adapter` that is a full-parameter run (or one of its checkpoints) stands for its trained model folder,
+    which replaces `model`. `render` is the render stage's settings: its template override, template variables,
+    date and add_bos apply here too, so generation prompts are rendered exactly as training prompts were.
     """
     render = render or {}
+    trained = trained_model_folder(adapter)
+    if trained is not None:
+        model, adapter = trained, None
     model_dir = resolve_model_dir(model, weights=True)
     # mlx_lm.load's steps, with the base weights cast before the adapter (kept in its saved dtype) is added.
     net, config, precision = load_model(model_dir, dtype)

@@ -1,8 +1,9 @@
-"""Learning-rate schedules shared by the training loops (base warm-up and ORPO), and the flat AdamW of LoRA training."""
+"""Learning-rate schedules shared by the training loops (base warm-up and ORPO), and the flat AdamW of ORPO training."""
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import mlx.core as mx
@@ -66,57 +67,119 @@ def warmup_steps_for(total_steps: int, warmup: float | int) -> int:
     return int(warmup)
 
 
+@dataclass
+class Bucket:
+    """One flat buffer of the optimizer: weights of one rate group and one dtype, laid end to end."""
+
+    group: int
+    dtype: Any  # the model's dtype of these weights (the buffer itself is in the master dtype)
+    names: list[str] = field(default_factory=list)
+    shapes: list[tuple[int, ...]] = field(default_factory=list)
+    offsets: list[int] = field(default_factory=list)
+    size: int = 0
+
+    def add(self, name: str, shape: tuple[int, ...]) -> None:
+        self.names.append(name)
+        self.shapes.append(shape)
+        self.offsets.append(self.size)
+        self.size += math.prod(shape)
+
+    def flat(self, arrays: dict[str, mx.array]) -> mx.array:
+        """The named arrays as one flat array (a lone weight's is a view of it, not a copy)."""
+        parts = [arrays[name].reshape(-1) for name in self.names]
+        return parts[0] if len(parts) == 1 else mx.concatenate(parts)
+
+    def views(self, flat: mx.array) -> list[tuple[str, mx.array]]:
+        """Each weight as a view of the flat buffer, by name."""
+        if len(self.names) == 1:
+            return [(self.names[0], flat.reshape(self.shapes[0]))]
+        return [(name, flat[o : o + math.prod(shape)].reshape(shape))
+                for name, shape, o in zip(self.names, self.shapes, self.offsets)]
+
+
 class FlatAdamW:
-    """AdamW (mlx's rule: decoupled decay, no bias correction) over the trainable weights held in one flat buffer
-    per learning-rate group; the model's weights are views into it.
+    """AdamW (mlx's rule: decoupled decay, no bias correction) over the trainable weights held in flat buffers
+    per learning-rate group; the model's weights are views into them.
 
     A LoRA model has hundreds of small matrices, and updating them one by one costs a few kernel launches each:
     that launch cost, not arithmetic, bounds the update (bench/README.md). Flat, an update is one concatenation of
     the gradients, one norm and one fused kernel per group. The rule is elementwise, so each weight's arithmetic is
     the same as per-matrix AdamW's; only the clipping norm sums in a different order.
+
+    `master_dtype` (full-parameter training of a bf16 model): the buffers and moments are in this dtype, and the
+    model's weights of another dtype are its rounding, refreshed after each update (views of one rounded copy per
+    buffer), so updates far below the model dtype's resolution still add up. `bucket_elements` > 0 cuts each
+    group into buffers of at most that many elements (a larger weight alone): an update's temporaries are then
+    one buffer's, and a lone weight's gradient needs no concatenation.
     """
 
     def __init__(self, rates: list[Callable | float], weight_decay: float, group_of: Callable[[str], int],
-                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8) -> None:
+                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, master_dtype: Any = None,
+                 bucket_elements: int = 0) -> None:
         self.rates = [r if callable(r) else (lambda step, r=r: mx.array(r, mx.float32)) for r in rates]
         self.weight_decay, self.group_of, self.betas, self.eps = weight_decay, group_of, betas, eps
-        self.layout: list[tuple[str, tuple[int, ...], int, int]] = []  # (name, shape, group, offset in the group)
+        self.master_dtype, self.bucket_elements = master_dtype, bucket_elements
+        self.buckets: list[Bucket] = []
         self.state: dict[str, Any] = {"step": mx.array(0, mx.uint64), "p": [], "m": [], "v": []}
         self.attaches = 0  # attach() calls: weights taken from the model (a start, a checkpoint restore)
 
-    def attach(self, model: nn.Module, moments: dict[str, mx.array] | None = None) -> None:
-        """Take the model's trainable weights into the flat buffers (moments from `moments` or zero); views back.
+    def _master(self, dtype: Any) -> Any:
+        return dtype if self.master_dtype is None else self.master_dtype
+
+    def _layout(self, params: list[tuple[str, mx.array]]) -> list[Bucket]:
+        """The buckets of the model's trainable weights: by group (in group order), dtype and bucket_elements."""
+        buckets: list[Bucket] = []
+        for g in range(len(self.rates)):
+            open_: dict[Any, Bucket] = {}
+            for name, w in params:
+                if self.group_of(name) != g:
+                    continue
+                b = open_.get(w.dtype)
+                if b is None or (self.bucket_elements > 0 and b.size and b.size + w.size > self.bucket_elements):
+                    b = open_[w.dtype] = Bucket(g, w.dtype)
+                    buckets.append(b)
+                b.add(name, tuple(w.shape))
+        return buckets
+
+    def attach(self, model: nn.Module, state: dict[str, mx.array] | None = None) -> None:
+        """Take the model's trainable weights into the flat buffers (moments from a checkpoint's `state` or zero;
+        master weights from its `<name>.master` arrays where it has them); the model gets views back.
 
         Weights loaded into the model from outside (a checkpoint) must come through here, or the next update
-        overwrites them with the buffers'.
+        overwrites them with the buffers'. Bucket by bucket, so only one bucket's weights exist twice at a time.
         """
         params = tree_flatten(model.trainable_parameters())
-        groups: list[list[mx.array]] = [[] for _ in self.rates]
-        sizes = [0] * len(self.rates)
-        self.layout = []
-        for name, w in params:
-            g = self.group_of(name)
-            self.layout.append((name, tuple(w.shape), g, sizes[g]))
-            groups[g].append(w.reshape(-1))
-            sizes[g] += w.size
-        flat = lambda arrays: mx.concatenate(arrays) if arrays else mx.zeros((0,), mx.float32)  # noqa: E731
-        self.state["p"] = [flat(a) for a in groups]
-        for k in ("m", "v"):
-            if moments is None:
-                self.state[k] = [mx.zeros_like(p) for p in self.state["p"]]
+        self.buckets = self._layout(params)
+        weights = dict(params)
+        del params
+        for k in ("p", "m", "v"):
+            self.state[k] = []
+        for b in self.buckets:
+            master = self._master(b.dtype)
+            if state is not None and f"{b.names[0]}.master" in state:
+                p = b.flat({n: state[f"{n}.master"] for n in b.names}).astype(master)
             else:
-                parts: list[list[mx.array]] = [[] for _ in self.rates]
-                for name, _, g, _ in self.layout:
-                    parts[g].append(moments[f"{name}.{k}"].reshape(-1))
-                self.state[k] = [flat(a) for a in parts]
-        mx.eval(self.state)
-        self._publish(model)
+                p = b.flat(weights).astype(master)
+            if state is None:
+                m, v = mx.zeros_like(p), mx.zeros_like(p)
+            else:
+                m, v = (b.flat({n: state[f"{n}.{k}"] for n in b.names}).astype(master) for k in ("m", "v"))
+            mx.eval(p, m, v)
+            for k, x in zip(("p", "m", "v"), (p, m, v)):
+                self.state[k].append(x)
+            self._publish_bucket(model, len(self.state["p"]) - 1)
+            for n in b.names:
+                weights.pop(n)
+        mx.eval(model.trainable_parameters())
         self.attaches += 1
 
+    def _publish_bucket(self, model: nn.Module, i: int) -> None:
+        b, p = self.buckets[i], self.state["p"][i]
+        model.update(tree_unflatten(b.views(p if p.dtype == b.dtype else p.astype(b.dtype))))
+
     def _publish(self, model: nn.Module) -> None:
-        views = [(name, self.state["p"][g][o : o + math.prod(shape)].reshape(shape))
-                 for name, shape, g, o in self.layout]
-        model.update(tree_unflatten(views))
+        for i in range(len(self.buckets)):
+            self._publish_bucket(model, i)
 
     def update(self, model: nn.Module, grads: Any, clip: float) -> tuple[mx.array, mx.array]:
         """Clip the gradients to global norm `clip` (0: no clipping) and apply one step; returns (norm, rate).
@@ -124,20 +187,20 @@ class FlatAdamW:
         The rate returned is the last group's (LoRA+'s A matrices, or the only group).
         """
         by_name = dict(tree_flatten(grads))
-        parts: list[list[mx.array]] = [[] for _ in self.rates]
-        for name, _, g, _ in self.layout:
-            parts[g].append(by_name[name].reshape(-1))
-        flat = [mx.concatenate(a).astype(p.dtype) if a else mx.zeros_like(p) for a, p in zip(parts, self.state["p"])]
-        norm = mx.sqrt(sum(mx.sum(mx.square(g)) for g in flat))
-        if clip > 0:
-            scale = mx.minimum(clip / (norm + 1e-6), 1.0)  # mlx.optimizers.clip_grad_norm's rule
-            flat = [g * scale for g in flat]
+        flat = [b.flat(by_name) if b.names else mx.zeros_like(p) for b, p in zip(self.buckets, self.state["p"])]
+        # Squared in the gradients' dtype, summed in float32: a float32 copy of every gradient, needed both here
+        # and by the update after it, would be kept whole until the norm is known.
+        norm = mx.sqrt(sum(mx.sum(mx.square(g).astype(mx.float32)) for g in flat))
+        scale = mx.minimum(clip / (norm + 1e-6), 1.0) if clip > 0 else None  # mlx.optimizers.clip_grad_norm's rule
         b1, b2 = self.betas
         step = self.state["step"]
         rates = [rate(step) for rate in self.rates]
-        for i, (g, lr) in enumerate(zip(flat, rates)):
+        for i, (b, g) in enumerate(zip(self.buckets, flat)):
             p, m, v = self.state["p"][i], self.state["m"][i], self.state["v"][i]
-            lr = lr.astype(g.dtype)
+            g = g.astype(p.dtype)
+            if scale is not None:
+                g = g * scale
+            lr = rates[b.group].astype(g.dtype)
             m = b1 * m + (1 - b1) * g
             v = b2 * v + (1 - b2) * mx.square(g)
             p = p * (1 - lr * self.weight_decay) - lr * m / (mx.sqrt(v) + self.eps)
@@ -147,17 +210,25 @@ class FlatAdamW:
         return norm, rates[-1]
 
     def state_dict(self) -> dict[str, mx.array]:
-        """Step count and moments, one array per weight (by the weight's name): what a checkpoint saves."""
+        """Step count and moments, one array per weight (by the weight's name), and the master weights where the
+        model holds a rounding of them (`<name>.master`): what a checkpoint saves."""
         out = {"step": self.state["step"]}
-        for name, shape, g, o in self.layout:
-            for k in ("m", "v"):
-                out[f"{name}.{k}"] = self.state[k][g][o : o + math.prod(shape)].reshape(shape)
+        for i, b in enumerate(self.buckets):
+            kinds = ("m", "v") if self._master(b.dtype) == b.dtype else ("m", "v", "p")
+            for k in kinds:
+                for name, view in b.views(self.state[k][i]):
+                    out[f"{name}.{'master' if k == 'p' else k}"] = view
         return out
 
     def load_state_dict(self, model: nn.Module, state: dict[str, mx.array]) -> None:
-        """Restore a checkpoint's moments and step over the model's (just loaded) weights."""
+        """Restore a checkpoint's moments, master weights and step over the model's (just loaded) weights."""
         self.attach(model, state)
         self.state["step"] = state["step"]
+
+    def nbytes(self) -> int:
+        """Bytes the optimizer holds: its buffers (master weights where they are not the model's own) and moments."""
+        own = sum(p.nbytes for b, p in zip(self.buckets, self.state["p"]) if p.dtype != b.dtype)
+        return own + sum(x.nbytes for k in ("m", "v") for x in self.state[k])
 
 
 def lora_adamw(

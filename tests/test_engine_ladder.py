@@ -2,7 +2,8 @@
 
 Rung 0 is the plain path (full logits of [chosen; rejected] rows under nn.value_and_grad,
 itself checked against a numpy ORPO in test_train_loss.py). Every engine setting must give its loss
-within LOSS_TOL (relative) and every LoRA gradient within GRAD_TOL in relative norm. Float32 on the CPU:
+within LOSS_TOL (relative) and every LoRA gradient (every weight's, in full-parameter training) within
+GRAD_TOL in relative norm. Float32 on the CPU:
 the rungs differ only in summation order (measured: <= 2e-6 relative on the gradients).
 """
 
@@ -115,6 +116,28 @@ def test_each_rung_matches_the_naive_two_forward_orpo(family, engine):
     got = pair_value_and_grad(model, pairs, LAM, ENGINES[engine])
     assert_close(got, naive(model, pairs))
     assert got[0][1]["prefix_fallbacks"].item() == 0
+
+
+# Full-parameter training: every weight trainable, tied (llama, gemma2 with its logit softcap) and untied heads.
+FULL_FAMILIES = {"llama": {}, "llama_untied": {"tie_word_embeddings": False}, "gemma2": {}}
+
+
+@pytest.mark.parametrize("family", list(FULL_FAMILIES))
+@pytest.mark.parametrize("engine", list(ENGINES))
+def test_each_rung_gives_every_weights_gradient_when_all_train(family, engine):
+    """No LoRA, every weight trainable (embedding, final norm and head included): each rung's loss and every
+    gradient equal the naive path's (full logits under nn.value_and_grad, both uses of a tied embedding summed by
+    autodiff) within the ladder's tolerance: the fused head's dW, the segmented backward's two ends."""
+    model = tiny_model(family.removesuffix("_untied"), num_hidden_layers=3, **FULL_FAMILIES[family])
+    model.unfreeze()
+    model.train()
+    pairs = random_pairs(1, 3)
+    want = naive(model, pairs)
+    names = {k for k, _ in tree_flatten(want[1])}
+    assert {"model.embed_tokens.weight", "model.norm.weight"} <= names
+    assert ("lm_head.weight" in names) == family.endswith("_untied")
+    assert len(names) == len(tree_flatten(model.parameters()))
+    assert_close(pair_value_and_grad(model, pairs, LAM, ENGINES[engine]), want)
 
 
 @pytest.mark.parametrize("multiple", [24, 128])

@@ -3,7 +3,8 @@
 Forward: token chunks; each computes its full-vocab [chunk, V] logit block, the block's float32
 logsumexp and target logit, and is freed. Backward: an analytic vjp (`mx.custom_function`) that
 recomputes each chunk's block from the saved per-token logsumexp: d logp / dz = onehot - softmax, times
-1 - tanh^2 under a logit softcap. Token chunks, not a vocab-block online softmax: in MLX a sequential
+1 - tanh^2 under a logit softcap. A trainable head (full-parameter training) gets its weight's gradient from
+the same recomputed blocks: dW = sum over chunks of dz^T h, accumulated in a float32 [V, H] array. Token chunks, not a vocab-block online softmax: in MLX a sequential
 chain over vocab blocks in one graph kept every block alive. The chunks are chained (`queue.after`) so that
 the blocks alive at once are a fixed few, whatever the token count (tests/test_engine_head.py measures it).
 Matmuls run in the head's dtype, as the model's own layer does; softmax math in float32.
@@ -13,7 +14,7 @@ Pure MLX (CPU, CUDA, Metal); float and quantized heads.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cache
 
 import mlx.core as mx
@@ -29,7 +30,11 @@ _LOGIT_SCALING_ARGS = ("logit_scale", "logits_scaling", "dim_model_base", "outpu
 
 @dataclass(frozen=True, eq=False)
 class LMHead:
-    """A frozen output projection: logits = softcap(h W^T + bias), W float [V, H] or quantized (packed)."""
+    """An output projection: logits = softcap(h W^T + bias), W float [V, H] or quantized (packed).
+
+    `path` is the weight's module path in the model ("lm_head" or "model.embed_tokens"); `trainable` says
+    whether the fused head also returns gradients for the weight (and bias), as the model's own layer would.
+    """
 
     weight: mx.array
     scales: mx.array | None = None
@@ -40,6 +45,8 @@ class LMHead:
     mode: str = "affine"
     bias: mx.array | None = None  # output bias [V], for heads that have one
     fused_bias: bool = True  # nn.Linear adds its bias inside addmm; QuantizedLinear adds it after
+    trainable: bool = False
+    path: str = "lm_head"
 
     @property
     def quantized(self) -> bool:
@@ -113,12 +120,23 @@ def _frozen_or_raise(module: nn.Module, where: str) -> None:
     trainable = [k for k, _ in tree_flatten(module.trainable_parameters())]
     if trainable:
         raise ValueError(
-            f"{where} has trainable parameters ({', '.join(trainable)}): the fused head gives gradients to the "
-            "hidden state only; freeze the model first (model.freeze()) or use train.engine.head: naive")
+            f"{where} has trainable parameters ({', '.join(trainable)}): a quantized head cannot be trained; "
+            "freeze it (train.full.freeze) or train a float model")
+
+
+def _trainable(module: nn.Module, where: str) -> bool:
+    """Whether a float head trains: its weight (and bias, if any) trainable together, or neither."""
+    names = {k for k, _ in tree_flatten(module.trainable_parameters())}
+    owned = {"weight"} | ({"bias"} if "bias" in module else set())
+    if names and names != owned:
+        raise ValueError(f"{where}: trainable {sorted(names)} but not {sorted(owned - names)}: the fused head trains "
+                         "the weight and bias together; freeze or unfreeze the whole module")
+    return bool(names)
 
 
 def lm_head_of(model: nn.Module) -> LMHead:
-    """The frozen output projection of an mlx-lm model (tied embedding or lm_head) and its final softcap."""
+    """The output projection of an mlx-lm model (tied embedding or lm_head) and its final softcap; trainable
+    where the module's weight is (full-parameter training), frozen otherwise."""
     name = type(model).__module__.rsplit(".", 1)[-1]
     args = getattr(model, "args", None)
     for field in _LOGIT_SCALING_ARGS:
@@ -127,10 +145,10 @@ def lm_head_of(model: nn.Module) -> LMHead:
                              "support it; use train.engine.head: naive")
     tied_flag = getattr(model, "tie_word_embeddings", getattr(args, "tie_word_embeddings", False))
     if "lm_head" in model and not tied_flag:
-        module, where = model["lm_head"], "lm_head"
+        module, where, path = model["lm_head"], "lm_head", "lm_head"
     else:
         module = getattr(getattr(model, "model", None), "embed_tokens", None)
-        where = "model.embed_tokens (tied)"
+        where, path = "model.embed_tokens (tied)", "model.embed_tokens"
         if module is None:
             raise ValueError(f"model type {name!r}: no output projection found (looked for lm_head and a "
                              "tied model.embed_tokens)")
@@ -139,10 +157,10 @@ def lm_head_of(model: nn.Module) -> LMHead:
     if isinstance(module, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
         _frozen_or_raise(module, where)
         return LMHead(module["weight"], module["scales"], module.get("biases"), module.group_size, module.bits,
-                      cap, module.mode, module.get("bias"), fused_bias=False)
+                      cap, module.mode, module.get("bias"), fused_bias=False, path=path)
     if isinstance(module, (nn.Linear, nn.Embedding)):
-        _frozen_or_raise(module, where)
-        return LMHead(module["weight"], softcap=cap, bias=module.get("bias"))
+        return LMHead(module["weight"], softcap=cap, bias=module.get("bias"), trainable=_trainable(module, where),
+                      path=path)
     raise ValueError(f"{where} is a {type(module).__name__} (e.g. an adapter on the head): the fused head needs "
                      "a frozen Linear/Embedding or their quantized forms; use train.engine.head: naive")
 
@@ -160,8 +178,8 @@ def _forward_block(cap: float | None) -> Callable:
 
 
 @cache
-def _grad_block(cap: float | None) -> Callable:
-    """Compiled: d(g_logp * logp + g_lse * lse)/dx for one raw logit block, in the block's dtype."""
+def _grad_block(cap: float | None, float32: bool = False) -> Callable:
+    """Compiled: d(g_logp * logp + g_lse * lse)/dx for one raw logit block, in the block's dtype (or float32)."""
 
     def block(x: mx.array, lse: mx.array, targets: mx.array, g: mx.array, g_lse: mx.array) -> mx.array:
         xf = x.astype(mx.float32)
@@ -176,7 +194,7 @@ def _grad_block(cap: float | None) -> Callable:
         dz = mx.where(onehot, g[:, None], 0.0) - p * (g - g_lse)[:, None]
         if cap is not None:
             dz = dz * (1.0 - th * th)
-        return dz.astype(x.dtype)  # the naive path's cotangent on the logits has their dtype too
+        return dz if float32 else dz.astype(x.dtype)  # the naive path's cotangent on the logits has their dtype too
 
     return mx.compile(block)
 
@@ -213,8 +231,45 @@ def _hidden_cotangent(head: LMHead, h: mx.array, targets: mx.array, lse: mx.arra
     return mx.concatenate(dh).astype(h.dtype)
 
 
+def _all_cotangents(head: LMHead, h: mx.array, targets: mx.array, lse: mx.array, g: mx.array, g_lse: mx.array,
+                    chunk: int, backward: Callable, queue: EvalQueue | None
+                    ) -> tuple[mx.array, mx.array, mx.array | None]:
+    """(d/dh, d/dW, d/dbias) of sum(g * logp + g_lse * lse) for a trainable float head.
+
+    Each chunk's block gives its float32 dz once: dz W (in the head's dtype, as for a frozen head) for h, and
+    dz^T h added to a float32 [V, H] accumulator (float32 operands, so no chunk's part is rounded to the head's
+    dtype before the sum); dW and dbias are returned in the weight's dtype, as autodiff gives a gradient.
+    """
+    dh = []
+    dw = mx.zeros(head.weight.shape, mx.float32)
+    db = None if head.bias is None else mx.zeros(head.bias.shape, mx.float32)
+    for s in range(0, h.shape[0], chunk):
+        e = slice(s, s + chunk)
+        # Chained on both uses of the previous block's dz, so it is freed before this block is built.
+        hc = h[e] if queue is not None else after(h[e], [dw, *dh[-1:]])
+        x = head.project(hc)
+        dz = backward(x, lse[e], targets[e], g[e], g_lse[e])
+        d = head.back_project(dz.astype(x.dtype))
+        dw = mx.addmm(dw, dz.T, hc.astype(mx.float32))
+        if db is not None:
+            db = db + dz.sum(axis=0)
+        if queue is not None:
+            queue.push(d, dw, *([] if db is None else [db]))
+        dh.append(d)
+    if queue is not None:
+        queue.drain()
+    return (mx.concatenate(dh).astype(h.dtype), dw.astype(head.weight.dtype),
+            None if db is None else db.astype(head.bias.dtype))
+
+
 def _fused(head: LMHead, chunk: int) -> Callable:
-    """The custom function (h [M, H], targets [M]) -> (logp, logsumexp), with its chunked analytic vjp."""
+    """The custom function (h [M, H], targets [M]) -> (logp, logsumexp), with its chunked analytic vjp.
+
+    A trainable head's weight (and bias) are primals too, (h, targets, weight[, bias]), so the vjp returns
+    their cotangents and autodiff adds them to the weight's other uses (a tied embedding's lookup).
+    """
+    if head.trainable:
+        return _fused_trainable(head, chunk)
     forward, backward = _forward_block(head.softcap), _grad_block(head.softcap)
 
     @mx.custom_function
@@ -230,23 +285,69 @@ def _fused(head: LMHead, chunk: int) -> Callable:
     return logp_lse
 
 
+def _fused_trainable(head: LMHead, chunk: int) -> Callable:
+    forward, backward = _forward_block(head.softcap), _grad_block(head.softcap, float32=True)
+    with_bias = head.bias is not None
+
+    def bound(weight: mx.array, bias: tuple[mx.array, ...]) -> LMHead:
+        return replace(head, weight=weight, bias=bias[0] if with_bias else None)
+
+    @mx.custom_function
+    def logp_lse(h: mx.array, targets: mx.array, weight: mx.array, *bias: mx.array) -> tuple[mx.array, mx.array]:
+        return _logp_chunks(bound(weight, bias), h, targets, chunk, forward, None)
+
+    @logp_lse.vjp
+    def logp_lse_vjp(primals, cotangents, outputs):
+        h, targets, weight, *bias = primals
+        g, g_lse = (c.astype(mx.float32) for c in cotangents)
+        dh, dw, db = _all_cotangents(bound(weight, bias), h, targets, outputs[1], g, g_lse, chunk, backward, None)
+        no_grad = mx.zeros_like(targets)  # a None before other cotangents would shift them (MLX 0.32)
+        return (dh, no_grad, dw, db) if with_bias else (dh, no_grad, dw)
+
+    def call(h: mx.array, targets: mx.array) -> tuple[mx.array, mx.array]:
+        return logp_lse(h, targets, head.weight, *([head.bias] if with_bias else []))
+
+    return call
+
+
+@dataclass(frozen=True)
+class HeadGrads:
+    """Cotangents of the fused head's inputs: the hidden states [M, H] and, for a trainable head, its weight and bias."""
+
+    hidden: mx.array
+    weight: mx.array | None = None
+    bias: mx.array | None = None
+
+    def by_name(self, head: LMHead) -> dict[str, mx.array]:
+        """The head's parameter cotangents under their paths in the model (empty for a frozen head)."""
+        named = {f"{head.path}.weight": self.weight, f"{head.path}.bias": self.bias}
+        return {k: v for k, v in named.items() if v is not None}
+
+
 def fused_logp_eager(head: LMHead, h: mx.array, targets: mx.array, chunk: int,
-                     overlap: int = 0) -> tuple[mx.array, Callable[[mx.array], mx.array]]:
+                     overlap: int = 0) -> tuple[mx.array, Callable[[mx.array], HeadGrads]]:
     """(logp [M], grad_fn): the fused head evaluated chunk by chunk, outside autodiff.
 
     For a caller that is not under a transform (the segmented backward): each chunk is evaluated before
     the next is built, so one [chunk, V] block is alive at a time, not the backend's run-ahead window
     (a lower step peak: bench/README.md). grad_fn(g) maps a cotangent
-    on logp [M] to the one on h [M, H], recomputing each block, also chunk by chunk. Same math (the same
-    compiled blocks) as fused_logp. `overlap` chunks may be in flight at once (orpo.engine.queue).
+    on logp [M] to the one on h [M, H] (and, for a trainable head, on its weight and bias), recomputing each
+    block, also chunk by chunk. Same math (the same compiled blocks) as fused_logp. `overlap` chunks may be
+    in flight at once (orpo.engine.queue).
     """
     chunk = chunk_for(head.vocab_size, chunk)
-    forward, backward = _forward_block(head.softcap), _grad_block(head.softcap)
+    forward = _forward_block(head.softcap)
     logp, lse = _logp_chunks(head, h, targets, chunk, forward, EvalQueue(overlap))
 
-    def grad_fn(g: mx.array) -> mx.array:
+    def grad_fn(g: mx.array) -> HeadGrads:
         g = g.astype(mx.float32)
-        return _hidden_cotangent(head, h, targets, lse, g, mx.zeros_like(g), chunk, backward, EvalQueue(overlap))
+        if head.trainable:
+            backward = _grad_block(head.softcap, float32=True)
+            return HeadGrads(*_all_cotangents(head, h, targets, lse, g, mx.zeros_like(g), chunk, backward,
+                                              EvalQueue(overlap)))
+        backward = _grad_block(head.softcap)
+        return HeadGrads(_hidden_cotangent(head, h, targets, lse, g, mx.zeros_like(g), chunk, backward,
+                                           EvalQueue(overlap)))
 
     return logp, grad_fn
 
@@ -262,7 +363,8 @@ def chunk_for(vocab_size: int, chunk: int) -> int:
 
 
 def fused_logp(head: LMHead, h: mx.array, targets: mx.array, chunk: int = 1024) -> mx.array:
-    """log softmax(softcap(h W^T))[target] per token, float32, token-chunked; differentiable w.r.t. h only.
+    """log softmax(softcap(h W^T))[target] per token, float32, token-chunked; differentiable w.r.t. h (and the
+    head's weight and bias where the head is trainable).
 
     h [..., H] (any float dtype) and targets [...] (int) give logp [...]. The backward recomputes one
     [chunk, V] block at a time (chunk 0: `chunk_for`'s vocabulary-scaled size).

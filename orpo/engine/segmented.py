@@ -4,20 +4,25 @@ Forward: embed, then each segment of `segment_layers` layers, keeping only its o
 activations are freed). The head and loss give the cotangent of the last boundary. Backward: for the last
 segment down to the lowest one holding trainable parameters, recompute the segment under `mx.vjp` with
 respect to (its input boundary, its trainable parameters) and the incoming cotangent, evaluate, and pass
-the input cotangent down. Peak memory: one segment's activations plus the boundaries. The recompute must
+the input cotangent down. Trainable parameters outside the layers (full-parameter training: the final norm,
+the head, the embedding) get theirs at the two ends: the head's differentiation is also with respect to
+them, and the embedding's lookup is differentiated last, with the cotangent of the lowest boundary (a tied
+embedding's two gradients are summed). Peak memory: one segment's activations plus the boundaries. The recompute must
 draw the forward's dropout masks again: a module's dropout has to come from keys that stay put during the
 call, not from the global RNG (the trainer's LoRA layers key theirs by seed, step, micro-batch and module).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
 from itertools import pairwise
 from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx.utils import tree_flatten, tree_map_with_path
+from mlx.utils import tree_flatten, tree_map_with_path, tree_unflatten
 
 from orpo.engine.compiled import kept, layout_arrays, mask_arrays, masks_from
 from orpo.engine.queue import EvalQueue
@@ -25,20 +30,64 @@ from orpo.engine.stack import Layout, Stack, trainables_replaced
 from orpo.engine.tiled import tiled_mlps
 
 HeadLoss = Callable[[mx.array], tuple[mx.array, dict[str, mx.array]]]
-# h -> ((loss, metrics), d loss / d h): a head that differentiates itself (evaluating as it goes).
-HeadValueAndGrad = Callable[[mx.array], tuple[tuple[mx.array, dict[str, mx.array]], mx.array]]
 
 
-def _layer_params(stack: Stack, model: nn.Module) -> list[tuple[str, list[tuple[str, mx.array]]]]:
-    """Per layer: its path in the model and its trainable parameters (layer-relative path, array)."""
+@dataclass
+class Params:
+    """Named trainable arrays of a model (paths as in tree_flatten), and the model computing with others in their place."""
+
+    model: nn.Module
+    names: list[str]
+    arrays: list[mx.array]
+
+    @contextmanager
+    def replaced(self, arrays: Sequence[mx.array]) -> Iterator[None]:
+        """While inside, the model's arrays at `names` are `arrays` (for tracing a function of them); restored after."""
+        if not self.names:
+            yield
+            return
+        self.model.update(tree_unflatten(list(zip(self.names, arrays))))
+        try:
+            yield
+        finally:
+            self.model.update(tree_unflatten(list(zip(self.names, self.arrays))))
+
+
+# (h, the trainable parameters outside the layers) -> ((loss, metrics), d loss / d h, d loss / d each of them):
+# a head that differentiates itself (evaluating as it goes), computing with `Params.replaced` under its vjp.
+HeadValueAndGrad = Callable[[mx.array, Params],
+                            tuple[tuple[mx.array, dict[str, mx.array]], mx.array, list[mx.array]]]
+
+
+def _layer_params(stack: Stack, model: nn.Module) -> tuple[list[tuple[str, list[tuple[str, mx.array]]]], Params, Params]:
+    """Per layer: its path in the model and its trainable parameters (layer-relative path, array); and the
+    trainable parameters outside the layers: all of them (the head's end) and the embedding's (the bottom end)."""
     names = {id(m): name for name, m in model.named_modules()}
     per_layer = [(names[id(layer)], tree_flatten(layer.trainable_parameters())) for layer in stack.layers]
     inside = {f"{prefix}.{k}" for prefix, items in per_layer for k, _ in items}
-    outside = [k for k, _ in tree_flatten(model.trainable_parameters()) if k not in inside]
-    if outside:
-        raise ValueError(f"train.engine.segment_layers: trainable parameters outside the decoder layers "
-                         f"({outside[:3]}); the segmented backward only differentiates the layers")
-    return per_layer
+    outside = [(k, v) for k, v in tree_flatten(model.trainable_parameters()) if k not in inside]
+    embed = names[id(stack.inner.embed_tokens)] + "."
+    bottom = [(k, v) for k, v in outside if k.startswith(embed)]
+    return (per_layer, Params(model, [k for k, _ in outside], [v for _, v in outside]),
+            Params(model, [k for k, _ in bottom], [v for _, v in bottom]))
+
+
+def _head_value_and_grad(head_loss: HeadLoss) -> HeadValueAndGrad:
+    """The head by autodiff: value and gradients with respect to h and the parameters outside the layers."""
+
+    def value_and_grad(h: mx.array, top: Params) -> tuple[tuple[mx.array, dict[str, mx.array]], mx.array, list[mx.array]]:
+        if not top.names:
+            out, cot = mx.value_and_grad(head_loss)(h)
+            return out, cot, []
+
+        def loss(h: mx.array, *arrays: mx.array) -> tuple[mx.array, dict[str, mx.array]]:
+            with top.replaced(arrays):
+                return head_loss(h)
+
+        out, (cot, *grads) = mx.value_and_grad(loss, argnums=list(range(1 + len(top.arrays))))(h, *top.arrays)
+        return out, cot, grads
+
+    return value_and_grad
 
 
 def _segment_forward(stack: Stack, a: int, b: int) -> Callable[[mx.array, list[Any], mx.array | None], mx.array]:
@@ -114,9 +163,9 @@ def segmented_value_and_grad(model: nn.Module, stack: Stack, layout: Layout, hea
     n = len(stack.layers)
     bounds = list(range(0, n, segment_layers)) + [n]
     segments = list(pairwise(bounds))
-    per_layer = _layer_params(stack, model)
-    # Layers below the lowest trainable one need no backward: the embedding is frozen.
-    lowest = next((i for i, (_, items) in enumerate(per_layer) if items), n)
+    per_layer, top, bottom = _layer_params(stack, model)
+    # Layers below the lowest trainable one need no backward, unless the embedding trains.
+    lowest = 0 if bottom.names else next((i for i, (_, items) in enumerate(per_layer) if items), n)
 
     def forward(a: int, b: int) -> Callable:
         return _compiled_segment(stack, layout, a, b, "forward") if compiled else _segment_forward(stack, a, b)
@@ -139,8 +188,9 @@ def segmented_value_and_grad(model: nn.Module, stack: Stack, layout: Layout, hea
         boundary.append(h)
     queue.drain()
 
-    (loss, metrics), cot = (head_value_and_grad or mx.value_and_grad(head_loss))(boundary.pop())
-    mx.eval(loss, metrics, cot)
+    (loss, metrics), cot, top_grads = (head_value_and_grad or _head_value_and_grad(head_loss))(boundary.pop(), top)
+    grads.update(zip(top.names, top_grads))
+    mx.eval(loss, metrics, cot, top_grads)
 
     for a, b in reversed(segments):
         h_in = boundary.pop()
@@ -153,4 +203,20 @@ def segmented_value_and_grad(model: nn.Module, stack: Stack, layout: Layout, hea
                 grads[f"{prefix}.{k}"] = next(it)
         queue.push(cot, param_grads)
     queue.drain()
+    if bottom.names:
+        grads.update(_embedding_grads(stack, layout, bottom, cot, grads))
     return (loss, metrics), tree_map_with_path(lambda path, _: grads[path], model.trainable_parameters())
+
+
+def _embedding_grads(stack: Stack, layout: Layout, bottom: Params, cot: mx.array,
+                     grads: dict[str, mx.array]) -> dict[str, mx.array]:
+    """The embedding's gradients from the lowest boundary's cotangent, added to the head's where it is tied."""
+
+    def embed(*arrays: mx.array) -> list[mx.array]:
+        with bottom.replaced(arrays):
+            return [stack.embed(layout.tokens)]
+
+    _, embed_grads = mx.vjp(embed, bottom.arrays, [cot])
+    out = {k: grads[k] + g if k in grads else g for k, g in zip(bottom.names, embed_grads)}
+    mx.eval(out)
+    return out

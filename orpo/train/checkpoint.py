@@ -1,4 +1,5 @@
-"""Checkpoints: adapter, optimizer state and loop state per step, and the index of their hashes."""
+"""Checkpoints: adapter (or, for a full run, the model folder), optimizer state and loop state per step, and the
+index of their hashes."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import mlx.nn as nn
 
 from orpo.io import atomic_path, sha256_file, write_json
 from orpo.optim import FlatAdamW
+from orpo.train.full import WEIGHTS, is_full, load_model_weights, save_model_folder
 from orpo.train.lora import load_adapter_weights, save_adapter
 
 
@@ -20,25 +22,41 @@ def step_dir(run_dir: Path, step: int) -> Path:
     return run_dir / "checkpoints" / f"step-{step:06d}"
 
 
+def save_weights(model: nn.Module, adapter_config: dict[str, Any], folder: Path) -> str:
+    """Write what the run trains into `folder` (the adapter, or a full run's model folder); returns its weights' sha256."""
+    if is_full(adapter_config):
+        return save_model_folder(model, adapter_config, folder)
+    save_adapter(model, adapter_config, folder)
+    return sha256_file(folder / "adapters.safetensors")
+
+
 def save_checkpoint(
     run_dir: Path, step: int, model: nn.Module, opt: FlatAdamW, adapter_config: dict[str, Any],
-    state: dict[str, Any],
+    state: dict[str, Any], optimizer: bool = True,
 ) -> str:
-    """Write the checkpoint at `step` atomically; returns the sha256 of its adapters.safetensors."""
+    """Write the checkpoint at `step` atomically (the optimizer state unless `optimizer` is false); returns the
+    sha256 of its weights (adapters.safetensors, or a full run's model.safetensors)."""
     with atomic_path(step_dir(run_dir, step)) as tmp:
         tmp.mkdir()
-        save_adapter(model, adapter_config, tmp)
-        mx.save_safetensors(str(tmp / "optimizer.safetensors"), dict(sorted(opt.state_dict().items())))
+        sha = save_weights(model, adapter_config, tmp)
+        if optimizer:
+            mx.save_safetensors(str(tmp / "optimizer.safetensors"), dict(sorted(opt.state_dict().items())))
         write_json(tmp / "state.json", {**state, "step": step})
-        sha = sha256_file(tmp / "adapters.safetensors")
     return sha
 
 
 def load_checkpoint(run_dir: Path, step: int, model: nn.Module, opt: FlatAdamW) -> dict[str, Any]:
-    """Restore adapter weights and optimizer state of `step`; returns its state.json."""
+    """Restore the weights and optimizer state of `step` (fresh moments where the checkpoint holds none: a full
+    run's last step, from which no step follows); returns its state.json."""
     d = step_dir(run_dir, step)
-    load_adapter_weights(model, d)
-    opt.load_state_dict(model, mx.load(str(d / "optimizer.safetensors")))
+    if (d / WEIGHTS).is_file() and not (d / "adapters.safetensors").is_file():
+        load_model_weights(model, d)
+    else:
+        load_adapter_weights(model, d)
+    if (d / "optimizer.safetensors").is_file():
+        opt.load_state_dict(model, mx.load(str(d / "optimizer.safetensors")))
+    else:
+        opt.attach(model)
     return json.loads((d / "state.json").read_text())
 
 

@@ -62,6 +62,14 @@ class Progress:
         sentence; any other record as its JSON."""
         if set(record) == {"resumed_from_step"}:
             return f"resumed from step {record['resumed_from_step']}/{self.total} (its checkpoint)"
+        if "predicted_memory_gb" in record:
+            p = record["predicted_memory_gb"]
+            parts = ", ".join(f"{k} {v:.2f}" for k, v in p.items() if k != "peak" and isinstance(v, (int, float)))
+            return (f"predicted peak memory {p['peak']:.2f} GB ({parts})"
+                    + (f"; warning: {record['warning']}" if record.get("warning") else ""))
+        if "peak_memory_gb" in record:
+            m = record["peak_memory_gb"]
+            return f"peak memory {m['measured']:.2f} GB measured, {m['predicted']:.2f} GB predicted"
         if "validation" in record and "step" in record:
             v = record["validation"]
             parts = [f"step {record['step']}/{self.total}", "validation",

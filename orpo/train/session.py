@@ -28,6 +28,7 @@ from orpo.settings import as_dict
 from orpo.train.accumulate import accumulate_grads
 from orpo.train.data import Pairs, load_pairs, pair_lengths, pair_tokens
 from orpo.train.distributed import Shard, join
+from orpo.train.full import full_adamw, is_full, start_full
 from orpo.train.keys import DropoutKeys
 from orpo.train.lora import adapter_folder, apply_lora, warm_start
 from orpo.train.settings import EngineSettings, Machine, ResolvedRun, TrainSettings
@@ -198,18 +199,23 @@ def _refuse_identical(pairs: Pairs, path: Path) -> None:
 
 def build_session(base_dir: str | Path, rendered_dir: str | Path, settings: TrainSettings,
                   resolved: ResolvedRun | None = None, dtype: str = "auto") -> Session:
-    """Load the base model in `dtype` (model.dtype), add LoRA (warm-started if asked), and set up the optimizer
+    """Load the base model in `dtype` (model.dtype), add LoRA (warm-started if asked) or make every
+    weight trainable (train.method full), and set up the optimizer
     and the step order.
 
     `resolved`: the run's recorded resolution of `settings` (resume, replay); None decides it here.
     """
     shard = join(settings.distributed)
-    model, _, precision = load_model(resolve_model_dir(base_dir, weights=True), dtype, announce=shard.is_main)
+    model_dir = resolve_model_dir(base_dir, weights=True)
+    model, _, precision = load_model(model_dir, dtype, announce=shard.is_main)
     if resolved is None:
         resolved = resolve_run(settings, model)
     s = resolved.settings
     keys = shard.dropout_keys(s.seed)
-    adapter_config = apply_lora(model, s.lora, s.seed, keys)
+    if s.method == "full":
+        adapter_config = start_full(model, s, model_dir)
+    else:
+        adapter_config = apply_lora(model, s.lora, s.seed, keys)
     init = None
     if s.init_adapter:
         folder = warm_start(model, adapter_config, adapter_folder(s.init_adapter))
@@ -224,6 +230,6 @@ def build_session(base_dir: str | Path, rendered_dir: str | Path, settings: Trai
     window = 32 if s.group_by_length else 1
     rows_per_step = s.batch_size * s.grad_accum * shard.size  # the global batch, cut per rank in micro_batches
     schedule = batch_schedule(pair_lengths(train), rows_per_step, s.epochs, s.seed, s.max_steps, window)
-    opt = lora_adamw(s.schedule, s.lr, len(schedule), warmup_steps_for(len(schedule), s.warmup),
-                     s.weight_decay, s.lora.plus_ratio)
+    rule = (s.schedule, s.lr, len(schedule), warmup_steps_for(len(schedule), s.warmup), s.weight_decay)
+    opt = full_adamw(*rule) if is_full(adapter_config) else lora_adamw(*rule, s.lora.plus_ratio)
     return Session(resolved, model, opt, adapter_config, train, schedule, keys, init, shard, precision=precision)

@@ -79,6 +79,13 @@ class DistributedSettings:
 
 
 @dataclass(frozen=True)
+class FullSettings:
+    """The `train.full` section: full-parameter training's frozen modules."""
+
+    freeze: tuple[str, ...]
+
+
+@dataclass(frozen=True)
 class TrainSettings:
     """The `train` section: optimisation, schedule, checkpoints, and the nested lora, engine and distributed."""
 
@@ -104,6 +111,7 @@ class TrainSettings:
     report_to: tuple[str, ...]
     init_adapter: str | None
     lora: LoraSettings
+    full: FullSettings
     engine: EngineSettings
     distributed: DistributedSettings
 

@@ -24,7 +24,7 @@ from orpo.engine.attention import CUDNN_MAX_HEAD_DIM, exclusion_fits
 from orpo.engine.compiled import kept, layout_arrays, layout_from
 from orpo.engine.head import (LMHead, fused_logp_eager, lm_head_of, mean_logps_from_logits, response_mean_logps,
                               token_logp)
-from orpo.engine.segmented import segmented_value_and_grad
+from orpo.engine.segmented import Params, segmented_value_and_grad
 from orpo.engine.stack import Stack, head_dim_of
 from orpo.train.data import Pairs, pair_batch
 from orpo.train.lora import refuse_mlp_dropout
@@ -284,8 +284,12 @@ def _compiled_whole(model: nn.Module, packed: PackedPairs, n: int, lam: float,
 
 def _segmented(model: nn.Module, packed: PackedPairs, n: int, lam: float,
                e: EngineSettings) -> tuple[tuple[mx.array, dict[str, mx.array]], Any]:
-    """((loss, metrics), grads) through the segmented backward; a fused head runs eagerly, chunk by chunk."""
-    stack, head = Stack(model), lm_head_of(model)
+    """((loss, metrics), grads) through the segmented backward; a fused head runs eagerly, chunk by chunk.
+
+    The head is read from the model inside each function, so where it trains (full-parameter training) the
+    segmented backward's replaced arrays are the ones differentiated.
+    """
+    stack = Stack(model)
     if e.mlp_chunks > 1:
         refuse_mlp_dropout(stack.layers)
 
@@ -293,18 +297,26 @@ def _segmented(model: nn.Module, packed: PackedPairs, n: int, lam: float,
         return packed_loss(logp, packed, n, lam)
 
     def loss_of_last(h: mx.array) -> tuple[mx.array, dict[str, mx.array]]:
-        return loss_of(packed_token_logps(head, stack.norm(h), packed, e))
+        return loss_of(packed_token_logps(lm_head_of(model), stack.norm(h), packed, e))
 
-    def head_value_and_grad(h: mx.array) -> tuple[tuple[mx.array, dict[str, mx.array]], mx.array]:
-        """The fused head's value and cotangent on h, its [chunk, V] blocks evaluated one chunk at a time."""
-        rows = lambda h: scored_rows(stack.norm(h), packed)  # noqa: E731
-        x = rows(h)
+    def head_value_and_grad(h: mx.array, top: Params) -> tuple[tuple[mx.array, dict[str, mx.array]], mx.array, list]:
+        """The fused head's value and cotangents on h (and the parameters outside the layers), its [chunk, V]
+        blocks evaluated one chunk at a time."""
+
+        def rows(h: mx.array, *arrays: mx.array) -> mx.array:
+            with top.replaced(arrays):
+                return scored_rows(stack.norm(h), packed)
+
+        x = rows(h, *top.arrays)
         mx.eval(x)
+        head = lm_head_of(model)
         logp, grad_fn = fused_logp_eager(head, x, packed.targets, e.head_chunk, e.overlap)
         (loss, metrics), g = mx.value_and_grad(loss_of)(logp)
         mx.eval(loss, metrics, g)
-        _, (cot,) = mx.vjp(lambda h: [rows(h)], [h], [grad_fn(g)])
-        return (loss, metrics), cot
+        cots = grad_fn(g)
+        _, (cot, *grads) = mx.vjp(lambda h, *arrays: [rows(h, *arrays)], [h, *top.arrays], [cots.hidden])
+        of_head = cots.by_name(head)  # the head's weight is not in rows(): its vjp gave zeros there
+        return (loss, metrics), cot, [of_head[k] + gr if k in of_head else gr for k, gr in zip(top.names, grads)]
 
     eager = head_value_and_grad if e.head == "fused" else None
     return segmented_value_and_grad(model, stack, packed.layout, loss_of_last, e.segment_layers, eager,

@@ -17,11 +17,12 @@ from typing import Any, Iterator
 import mlx.core as mx
 
 from orpo.folders import mark_complete, require_complete
-from orpo.io import atomic_path, sha256_file, write_json
+from orpo.io import atomic_path, write_json
 from orpo.train.checkpoint import (kept_steps, load_checkpoint, prune_checkpoints, read_index, resolve_step,
-                                   save_checkpoint, step_dir)
+                                   save_checkpoint, save_weights, step_dir)
 from orpo.train.data import load_pairs
-from orpo.train.lora import save_adapter
+from orpo.train.footprint import over_device, predict_memory
+from orpo.train.full import is_full, keeps_optimizer, publish_model
 from orpo.train.memory import cache_policy
 from orpo.train.progress import Progress
 from orpo.settings import as_dict
@@ -50,7 +51,7 @@ NO_VALIDATION = ("no validation pairs (curate.validation_fraction 0: every pair 
 def train(base_dir: str | Path, rendered_dir: str | Path, out_dir: str | Path,
           settings: TrainSettings, dtype: str = "auto") -> dict[str, Any] | None:
     """Train an ORPO adapter (or, with method full, the model) on the base model in `dtype` (model.dtype); write
-    the run folder (adapter, checkpoints, index, metrics).
+    the run folder (adapter or model/, checkpoints, index, metrics).
 
     Work happens in `<out_dir>.partial`; a run killed midway resumes there from its last checkpoint when
     started again with the same settings, and the folder is renamed to `out_dir` when the run completes.
@@ -133,6 +134,8 @@ def _train(sess: Session, record: dict[str, Any], rendered_dir: str | Path, out_
     progress = Progress(sess.total_steps, start, s.log_every)
     if resumed:
         progress.event({"resumed_from_step": start})
+    predicted = predict_memory(sess)  # printed before the first step; index.json's run.memory_predicted keeps it
+    progress.event({"predicted_memory_gb": predicted, **({"warning": w} if (w := over_device(predicted)) else {})})
     val = load_pairs(Path(rendered_dir) / "validation.parquet")
     index = read_index(work)
     if not len(val):
@@ -180,22 +183,28 @@ def _train(sess: Session, record: dict[str, Any], rendered_dir: str | Path, out_
                                         f"the last good one is {f'step {kept[-1]}' if kept else 'none (the start)'} "
                                         f"in {work} (lower train.lr, or set train.divergence_ratio: 0 to go on)")
                 sha = save_checkpoint(work, step, sess.model, sess.opt, sess.adapter_config,
-                                      {"epoch_of_step": _epoch_of(sess, step), "seed": s.seed})
+                                      {"epoch_of_step": _epoch_of(sess, step), "seed": s.seed},
+                                      keeps_optimizer(sess.adapter_config, step, sess.total_steps))
                 index["checkpoints"][str(step)] = {"sha256": sha, "validation": v}
                 _update_best(index)
                 index["run"] = {**rate.summary(), "shapes": len(sess.signatures),
-                                "traces": len(sess.signatures) if _compiles(sess) else 0, "memory": cache.record()}
+                                "traces": len(sess.signatures) if _compiles(sess) else 0, "memory": cache.record(),
+                                "memory_predicted": predicted}
                 write_json(work / "index.json", index)
                 # Prune only after index.json holds the new hash: a crash here leaves extra folders, never a gap.
                 prune_checkpoints(work, index, s.keep_last)
                 progress.event({"step": step, "validation": v, "sha256": sha[:16]})
+        progress.event({"peak_memory_gb": {"predicted": predicted["peak"], "measured": cache.record()["peak_gb"]}})
     progress.close()
 
     index["final_step"] = sess.total_steps
     write_json(work / "index.json", index)
     final = step_dir(work, sess.total_steps)
-    shutil.copy2(final / "adapters.safetensors", work / "adapters.safetensors")
-    shutil.copy2(final / "adapter_config.json", work / "adapter_config.json")
+    if is_full(sess.adapter_config):
+        publish_model(final, work / "model")  # `orpo generate --model <run>/model`
+    else:
+        shutil.copy2(final / "adapters.safetensors", work / "adapters.safetensors")
+        shutil.copy2(final / "adapter_config.json", work / "adapter_config.json")
     mark_complete(work, "train")
     if out_dir.exists():
         shutil.rmtree(out_dir)
@@ -320,7 +329,7 @@ def replay(
     run_dir: str | Path, base_dir: str | Path, rendered_dir: str | Path, which: str | int = "best_margin",
     from_: str = "previous",
 ) -> dict[str, Any] | None:
-    """Re-run training to a checkpoint step and compare the adapter's sha256 with the run's index.
+    """Re-run training to a checkpoint step and compare the sha256 of its weights (adapter or model) with the run's index.
 
     The run's settings.json drives the replay: its resolved settings as the run decided them (a machine of
     another backend is refused, `recorded_run`), every knob and the dtype it computed in as it ran; a run of N processes replays
@@ -350,8 +359,7 @@ def replay(
     if not sess.shard.is_main:
         return None
     with tempfile.TemporaryDirectory() as tmp:
-        save_adapter(sess.model, sess.adapter_config, Path(tmp))
-        replayed = sha256_file(Path(tmp) / "adapters.safetensors")
+        replayed = save_weights(sess.model, sess.adapter_config, Path(tmp))
     expected = index["checkpoints"][str(target)]["sha256"]
     return {
         "checkpoint": str(which), "step": target, "from_step": start, "steps_replayed": target - start,

@@ -1,0 +1,116 @@
+"""The training run's memory, predicted before the first step: weights, gradients, optimizer, activations.
+
+The first three are exact sums over the model's arrays (what is resident between steps, and the gradients a
+step holds at its end); the activations are an estimate from the model's geometry, the engine's settings and
+the longest pairs of the data. The trainer prints the prediction before it trains and keeps it in index.json
+beside the measured peak (`run.memory_predicted`, `run.memory.peak_gb`).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import mlx.core as mx
+from mlx.utils import tree_flatten
+
+from orpo.device import on_cuda
+from orpo.engine.head import chunk_for
+from orpo.train.memory import device_memory
+from orpo.settings import as_dict
+
+GB = 1e9
+
+
+def parameter_bytes(model: Any, master_dtype: Any, grad_copies: int) -> dict[str, int]:
+    """Exact bytes of the model's weights (every array, in its dtype), of a step's gradients (`grad_copies` sets of
+    the trainable weights, in their dtype), of the master weights (trainable weights not already in the master
+    dtype, held again in it) and of AdamW's two moments (in the master dtype)."""
+    weights = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+    trainable = [v for _, v in tree_flatten(model.trainable_parameters())]
+    master = [master_dtype or v.dtype for v in trainable]
+    return {
+        "weights": weights,
+        "gradients": grad_copies * sum(v.nbytes for v in trainable),
+        "master_weights": sum(v.size * m.size for v, m in zip(trainable, master) if m != v.dtype),
+        "moments": 2 * sum(v.size * m.size for v, m in zip(trainable, master)),
+    }
+
+
+def activation_bytes(args: Any, dtype: Any, rows: int, width: int, scored: int, engine: dict[str, Any],
+                     head_trains: bool, fused_attention: bool) -> int:
+    """An estimate of a micro-batch's activations at its largest: `rows` rows of `width` positions (in `dtype`),
+    `scored` of them reaching the head.
+
+    A decoder layer keeps about 5 H + 2 q + 4 kv + 5 I values per token for its backward (norm inputs and outputs,
+    q/k/v before and after RoPE, the attention output; the MLP's gate, up, activation and product): all layers
+    without segments, one segment's plus the boundaries with them (its MLP part divided among mlp_chunks). The head:
+    [tokens, V] logits in the model's dtype and twice in float32 for the naive one; for the fused one [chunk, V]
+    float32 blocks, about 8 in flight in one graph and 2 evaluated chunk by chunk under segments (measured,
+    tests/test_engine_head.py), and its [V, H] float32 weight-gradient accumulator when the head trains. Where
+    attention is not fused (MLX off CUDA differentiates a materialised one), each layer also keeps its
+    [rows, heads, width, width] probabilities in float32 (CPU, cpu-small geometry, one pair of 1024 + 1024 +
+    1024: predicted 1.5 GB, measured 1.19).
+    """
+    tokens = rows * width
+    hidden = args.hidden_size
+    layers = getattr(args, "num_hidden_layers", 1)
+    inter = getattr(args, "intermediate_size", None) or 4 * hidden  # families that name it otherwise: a typical MLP
+    heads = getattr(args, "num_attention_heads", 1)
+    head_dim = getattr(args, "head_dim", None) or hidden // heads
+    kv = getattr(args, "num_key_value_heads", None) or heads
+    size = dtype.size
+    seg, chunks = int(engine["segment_layers"]), max(1, int(engine["mlp_chunks"]))
+    mlp = 5 * inter
+    attention = 5 * hidden + 2 * heads * head_dim + 4 * kv * head_dim
+    scores = 0 if fused_attention else rows * heads * width * width * 4  # per layer
+    if seg:
+        stack = (math.ceil(layers / seg) + 1) * tokens * hidden * size + seg * (tokens * (attention + mlp / chunks) * size
+                                                                                + scores)
+    else:
+        stack = layers * (tokens * (attention + mlp) * size + scores)
+    vocab = args.vocab_size
+    if engine["head"] == "fused":
+        blocks = 2 if seg else 8
+        chunk = min(chunk_for(vocab, int(engine["head_chunk"])), scored)
+        head = blocks * chunk * vocab * 4 + (vocab * hidden * 4 if head_trains else 0)
+    else:
+        head = tokens * vocab * (size + 8)
+    return int(stack + head)
+
+
+def predict_memory(sess: Any) -> dict[str, Any]:
+    """The session's predicted peak, in GB: weights + gradients + master weights + moments + activations (estimate).
+
+    The rows of a micro-batch are taken at their widest: batch_size of the data's longest pairs, one row per pair
+    with prefix sharing ([prompt; chosen; rejected]), two without.
+    """
+    s, engine, pairs = sess.s, as_dict(sess.engine), sess.train
+    copies = 1 + (s.grad_accum > 1) + (sess.shard.size > 1)  # the running sum; the all-reduced copy
+    parts = parameter_bytes(sess.model, sess.opt.master_dtype, copies)
+    lengths = list(zip(map(len, pairs.prompt), map(len, pairs.chosen), map(len, pairs.rejected)))
+    b = s.batch_size
+    if engine["prefix_sharing"]:
+        rows, width = b, max(p + c + r for p, c, r in lengths)
+    else:
+        rows, width = 2 * b, max(p + max(c, r) for p, c, r in lengths)
+    scored = b * max(c + r for _, c, r in lengths)
+    norm = getattr(getattr(sess.model, "model", None), "norm", None)  # a float array even in a quantized model
+    dtype = norm.weight.dtype if norm is not None and "weight" in norm else mx.float32
+    head_trains = any(k.startswith(("lm_head.", "model.embed_tokens.")) for k, _ in
+                      tree_flatten(sess.model.trainable_parameters()))
+    parts["activations"] = activation_bytes(sess.model.args, dtype, rows, width, scored, engine, head_trains, on_cuda())
+    parts["peak"] = sum(parts.values())
+    out: dict[str, Any] = {k: round(v / GB, 6) for k, v in parts.items()}
+    out["bytes"] = parts
+    out["rows"], out["width"] = rows, width
+    return out
+
+
+def over_device(predicted: dict[str, Any]) -> str | None:
+    """A warning when the predicted peak passes the device's memory (the run would likely fail), else None."""
+    device = device_memory()
+    if predicted["bytes"]["peak"] <= device:
+        return None
+    return (f"the predicted peak {predicted['peak']:.1f} GB passes the device's {device / GB:.1f} GB; a segmented "
+            "backward (train.engine.segment_layers: 1, mlp_chunks) keeps a layer's activations instead of all")

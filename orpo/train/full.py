@@ -1,0 +1,158 @@
+"""Full-parameter training (`train.method: full`): every weight of the model trains, bar `train.full.freeze`.
+
+No LoRA layers: the model's own weights are the trainable parameters, the embedding and the head included
+(a tied head is the embedding, so it trains with it). The model computes in its own dtype (bf16 for a bf16
+folder) while the optimizer keeps float32 master weights and moments (`orpo.optim.FlatAdamW` with
+`master_dtype`); see `full_adamw`. What a run writes differs from LoRA's only in its weights: each
+checkpoint folder is itself a loadable model folder (`model.safetensors` in the model's dtype, the base's
+config and tokenizer files), with the optimizer's master weights and moments beside it, and the run ends
+with `model/`, the final one, for `orpo generate --model <run>/model` (or `--adapter <run>`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+
+from orpo.io import sha256_file
+from orpo.optim import FlatAdamW, lr_schedule
+from orpo.train.settings import TrainSettings
+
+WEIGHTS = "model.safetensors"
+# A bucket of the flat optimizer holds at most this many elements (a weight larger than it is its own): an
+# update's temporaries are a bucket's, not the model's, and a lone weight's gradient is a view, not a copy.
+BUCKET_ELEMENTS = 2**24
+# Model folder files a checkpoint does not copy from the base: its weights (written anew) and their index.
+_WEIGHT_SUFFIXES = (".safetensors", ".safetensors.index.json", ".npz", ".bin", ".pt", ".gguf")
+
+
+def is_full(adapter_config: dict[str, Any]) -> bool:
+    """Whether a run's record (its adapter_config, or the dict `apply_full` returns) is of a full-parameter run."""
+    return adapter_config.get("fine_tune_type") == "full"
+
+
+def frozen_modules(model: nn.Module, freeze: list[str]) -> list[str]:
+    """The module paths `train.full.freeze` names: each entry a full path or a path's last parts ("embed_tokens")."""
+    paths = [name for name, _ in model.named_modules() if name]
+    found: list[str] = []
+    for entry in freeze:
+        hits = [p for p in paths if p == entry or p.endswith("." + entry)]
+        if not hits:
+            tied = "lm_head" not in model
+            hint = " (the head is the tied model.embed_tokens: freeze embed_tokens to freeze it)" if \
+                entry == "lm_head" and tied else ""
+            raise ValueError(f"train.full.freeze: {entry!r} names no module of this model{hint}; "
+                             f"top-level modules: {sorted({p.split('.layers.')[0] for p in paths if p.count('.') < 2})}")
+        found.extend(h for h in hits if h not in found)
+    return found
+
+
+def apply_full(model: nn.Module, settings: dict[str, Any]) -> dict[str, Any]:
+    """Make every weight of `model` trainable but the frozen modules; returns the run's weight record.
+
+    A quantized model cannot train its packed weights: refused. The record plays the part of a LoRA run's
+    `adapter_config` (the session's, written into each checkpoint folder as `full_config.json`).
+    """
+    quantized = [name for name, m in model.named_modules()
+                 if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))]
+    if quantized:
+        raise ValueError(f"train.method: full cannot train a quantized model ({quantized[0]} is "
+                         f"{type(dict(model.named_modules())[quantized[0]]).__name__}); use a float model or "
+                         "train.method: lora")
+    freeze = list(settings.get("freeze") or [])
+    model.unfreeze()
+    modules = dict(model.named_modules())
+    frozen = frozen_modules(model, freeze)
+    for path in frozen:
+        modules[path].freeze()
+    trainable = tree_flatten(model.trainable_parameters())
+    if not trainable:
+        raise ValueError(f"train.full.freeze: {freeze} freezes every weight of the model: nothing to train")
+    dtypes = sorted({str(v.dtype).removeprefix("mlx.core.") for _, v in tree_flatten(model.parameters())})
+    return {"fine_tune_type": "full", "freeze": freeze, "frozen_modules": frozen,
+            "trainable_parameters": sum(v.size for _, v in trainable), "dtypes": dtypes}
+
+
+def full_adamw(kind: str, lr: float, total_steps: int, warmup_steps: int, weight_decay: float) -> FlatAdamW:
+    """AdamW over every trainable weight with float32 master weights and moments, in buckets of BUCKET_ELEMENTS.
+
+    The model's weights stay in their own dtype and are refreshed from the masters after each update: at a
+    bf16 model's lr of 5e-6 an update is below half a bf16 ulp of most weights and would be lost in place
+    (tests/test_train_full.py shows it); a float32 master accumulates it.
+    """
+    return FlatAdamW([lr_schedule(kind, lr, total_steps, warmup_steps)], weight_decay, lambda name: 0,
+                     master_dtype=mx.float32, bucket_elements=BUCKET_ELEMENTS)
+
+
+# --- what a full run writes: model folders ---
+
+# The base folder's own records (orpo's folder marker and the base stage's manifests), not the model's.
+_STAGE_FILES = ("complete.json", "manifest.json", "warmup_log.json")
+# The record of what trained, beside the weights (what adapter_config.json is to an adapter).
+RECORD = "full_config.json"
+# Files of a checkpoint folder that are the optimizer's and the loop's, not the model's.
+_CHECKPOINT_ONLY = ("optimizer.safetensors", "state.json")
+
+
+def start_full(model: nn.Module, settings: TrainSettings, base_dir: Path) -> dict[str, Any]:
+    """`apply_full` for a run's resolved settings; the record names the base folder its config and tokenizer come from."""
+    if settings.init_adapter:
+        raise ValueError("train.init_adapter warm-starts LoRA weights; with train.method: full, start from a "
+                         "model folder instead (a full run's <run>/model is one)")
+    return {**apply_full(model, {"freeze": list(settings.full.freeze)}), "base_folder": str(base_dir)}
+
+
+def model_files(base: Path) -> list[Path]:
+    """The base folder's entries a trained model folder keeps (config, tokenizer, template, generation config):
+    all but its weights and the stage records."""
+    return sorted(p for p in base.iterdir() if not p.name.startswith(".") and p.name not in _STAGE_FILES
+                  and not p.name.endswith(_WEIGHT_SUFFIXES))
+
+
+def save_model_folder(model: nn.Module, record: dict[str, Any], folder: Path) -> str:
+    """Write `folder` as a model folder mlx-lm loads: every weight in the model's dtype (`model.safetensors`, sorted,
+    so equal weights give equal bytes), the base's other files, and the run's record; returns the weights' sha256."""
+    weights = dict(sorted(tree_flatten(model.parameters())))
+    mx.save_safetensors(str(folder / WEIGHTS), weights, metadata={"format": "mlx"})
+    for src in model_files(Path(record["base_folder"])):
+        if src.is_dir():
+            shutil.copytree(src, folder / src.name)
+        else:
+            shutil.copyfile(src, folder / src.name)
+    (folder / RECORD).write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
+    return sha256_file(folder / WEIGHTS)
+
+
+def load_model_weights(model: nn.Module, folder: Path) -> None:
+    """Load a full checkpoint's weights (every one of the model's) into the model."""
+    model.load_weights(str(folder / WEIGHTS), strict=True)
+    mx.eval(model.parameters())
+
+
+def publish_model(checkpoint: Path, out: Path) -> None:
+    """`out`: the final checkpoint as a model folder (its files hard-linked where the filesystem allows, no copy of
+    the weights), without the optimizer's and the loop's files."""
+    out.mkdir()
+    for src in checkpoint.iterdir():
+        if src.name in _CHECKPOINT_ONLY:
+            continue
+        if src.is_dir():
+            shutil.copytree(src, out / src.name)
+            continue
+        try:
+            os.link(src, out / src.name)
+        except OSError:
+            shutil.copy2(src, out / src.name)
+
+
+def keeps_optimizer(record: dict[str, Any], step: int, total_steps: int) -> bool:
+    """Whether the checkpoint at `step` holds the optimizer state: always for LoRA; for a full run not at the last
+    step, which nothing resumes or replays from (there it would be 3x the weights in float32 on disk)."""
+    return not (is_full(record) and step == total_steps)

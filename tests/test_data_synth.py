@@ -189,7 +189,8 @@ def test_different_seeds_give_different_rows() -> None:
 
 
 def test_generation_is_fast(generated: tuple[list, float]) -> None:
-    assert generated[1] < 5.0, f"{N_ROWS} rows took {generated[1]:.2f} s"
+    # A guard against a quadratic slip (about 5 s on 2 cores), not a benchmark: twice that fails.
+    assert generated[1] < 10.0, f"{N_ROWS} rows took {generated[1]:.2f} s"
 
 
 # ---------------------------------------------------------------- schema

@@ -7,12 +7,13 @@ import mlx.core as mx
 import numpy as np
 import polars as pl
 import pytest
-from test_engine_ladder import ENGINES, LAM, assert_close, lora_model
+from test_engine_ladder import ENGINES, LAM, assert_close, lora_model, resolved
 from test_engine_stack import random_pairs, with_unshared_pair
 
 from conftest import MATMUL_TOL, TINY_TRAIN, shortest_pairs
 from orpo.train.data import pair_batch
 from orpo.train.step import PLAIN, naive_pair_loss, pair_scores, pair_value_and_grad, prompt_nll_mask
+from orpo.train.settings import train_settings
 from orpo.train.trainer import replay, train
 
 # --- the NLL span --------------------------------------------------------------------------------------------
@@ -58,7 +59,7 @@ def test_the_naive_loss_of_each_span_is_the_numpy_orpo(span):
     model.eval()  # no dropout: the oracle's forwards are the loss's
     pairs = random_pairs(4, 3)
     want = np_orpo_spans(model, pairs, LAM)
-    (loss, metrics), _ = pair_value_and_grad(model, pairs, LAM, PLAIN, span)
+    (loss, metrics), _ = pair_value_and_grad(model, pairs, LAM, resolved(PLAIN), span)
     assert loss.item() == pytest.approx(want[span], rel=1e-5)
     assert metrics["nll"].item() == pytest.approx(want[f"nll_{span}"], rel=1e-5)
     # The spans give different losses here (prompts of 3-11 tokens), so the test tells them apart.
@@ -92,9 +93,8 @@ def test_every_engine_path_scores_the_prompt_span_as_the_naive_loss(engine):
 
 
 def test_an_unknown_span_is_refused():
-    model, _ = lora_model("llama")
-    with pytest.raises(ValueError, match="train.nll_span: 'prompt' is not one of response, prompt_and_response"):
-        pair_value_and_grad(model, random_pairs(0, 2), LAM, ENGINES["fused"], "prompt")
+    with pytest.raises(ValueError, match="train.nll_span"):
+        train_settings({"nll_span": "prompt"})
 
 
 # --- no hold-out; checkpoints at each epoch's end -------------------------------------------------------------
@@ -115,8 +115,8 @@ def test_no_validation_split_trains_end_to_end(tiny_raw, tiny_base, tmp_path, ca
     render_pairs(tiny_base, tmp_path / "curated", tmp_path / "rendered", {"max_length": 256, "max_prompt_length": 96})
     rendered = shortest_pairs(tmp_path / "rendered", tmp_path / "short", n_train=12, n_val=0)
     run = tmp_path / "run"
-    index = train(tiny_base, rendered, run, {**TINY_TRAIN, "max_steps": 0, "epochs": 2, "checkpoint_every": 3,
-                                             "nll_span": "prompt_and_response"})
+    index = train(tiny_base, rendered, run, train_settings({**TINY_TRAIN, "max_steps": 0, "epochs": 2, "checkpoint_every": 3,
+                                             "nll_span": "prompt_and_response"}))
     err = capfd.readouterr().err
     assert err.count("no validation pairs (curate.validation_fraction 0") == 1
     assert "baseline" not in index and "best_loss_step" not in index and "best_margin_step" not in index
@@ -147,7 +147,7 @@ def test_each_epoch_ends_in_a_validated_checkpoint_and_best_loss_picks_among_the
     """16 pairs, 4 per step: epochs end at steps 4, 8, 12; best_loss is the checkpoint of least validation loss."""
     rendered = shortest_pairs(tiny_rendered, tmp_path / "short", n_train=17, n_val=4)  # one pair sits each epoch out
     settings = {**TINY_TRAIN, "max_steps": 0, "epochs": 3, "checkpoint_every": every, "checkpoint_each_epoch": True}
-    index = train(tiny_base, rendered, tmp_path / "run", settings)
+    index = train(tiny_base, rendered, tmp_path / "run", train_settings(settings))
     assert sorted(map(int, index["checkpoints"])) == expected
     losses = {int(k): v["validation"]["loss"] for k, v in index["checkpoints"].items()}
     assert index["best_loss_step"] == min(sorted(losses), key=losses.get)

@@ -148,7 +148,7 @@ def _train(sess: Session, record: dict[str, Any], rendered_dir: str | Path, out_
     with cache_policy(s.engine.cache_limit_gb) as cache, \
             open(work / "metrics.jsonl", "a", encoding="utf-8") as metrics_file, \
             open_trackers(s.report_to, work, record, start) as trackers:
-        if start == 0 and index["baseline"]:
+        if start == 0 and index.get("baseline"):
             trackers.log(index["baseline"], 0, "validation")
         cache.start()
         rate = Throughput()

@@ -71,8 +71,8 @@ class Progress:
             m = record["peak_memory_gb"]
             return f"peak memory {m['measured']:.2f} GB measured, {m['predicted']:.2f} GB predicted"
         if "validation" in record and "step" in record:
-            v = record["validation"]
-            parts = [f"step {record['step']}/{self.total}", "validation",
+            v = record["validation"] or {}  # none with no validation pairs: the checkpoint alone
+            parts = [f"step {record['step']}/{self.total}", "validation" if v else "checkpoint",
                      *(f"{k} {v[k]:+.4f}" if k == "margin" else f"{k} {v[k]:.4f}" for k in VALIDATION_KEYS if k in v)]
             if record.get("sha256"):
                 parts.append(f"checkpoint {record['sha256']}")

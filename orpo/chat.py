@@ -38,16 +38,12 @@ class Target:
 
 def run_adapter(run: Path, checkpoint: str | int) -> Path:
     """The adapter folder of a run's checkpoint: the run itself for final, else its kept checkpoint folder."""
-    from orpo.train.checkpoint import read_index, resolve_step, step_dir
+    from orpo.train.checkpoint import checkpoint_folder
 
-    if str(checkpoint) == "final":
-        return run
-    step = resolve_step(read_index(run), checkpoint)
-    folder = step_dir(run, step)
-    if not folder.exists():
-        raise ChatError(f"checkpoint {step} of {run} was pruned (train.keep_last); recover it with "
-                        f"`orpo replay --run {run} --checkpoint {step} ...` or chat with a kept step")
-    return folder
+    try:
+        return checkpoint_folder(run, checkpoint, "chat with")
+    except ValueError as e:
+        raise ChatError(str(e)) from None
 
 
 def _read_json(path: Path, what: str) -> dict[str, Any]:

@@ -159,14 +159,10 @@ def cmd_generate(a: argparse.Namespace) -> Any:
     from orpo.eval.generate import generate
 
     adapter = a.adapter
-    if adapter and a.checkpoint != "final":
-        from orpo.train.checkpoint import read_index, resolve_step, step_dir
+    if adapter:
+        from orpo.train.checkpoint import checkpoint_folder
 
-        step = resolve_step(read_index(Path(adapter)), a.checkpoint)
-        adapter = step_dir(Path(adapter), step)
-        if not adapter.exists():
-            raise ValueError(f"checkpoint {step} of {a.adapter} was pruned (train.keep_last); recover it with "
-                             f"`orpo replay --run {a.adapter} --checkpoint {step} ...` or generate from a kept step")
+        adapter = checkpoint_folder(Path(adapter), a.checkpoint, "generate from")
     return generate(a.model, a.prompts, a.out, a.settings, adapter=adapter, label=a.label,
                     render=a.render_settings, limit=a.limit, dtype=a.dtype)
 

@@ -107,3 +107,16 @@ def resolve_step(index: dict[str, Any], which: str | int) -> int:
     if str(step) not in index["checkpoints"]:
         raise ValueError(f"step {step} is not a checkpoint of this run (have {sorted(map(int, index['checkpoints']))})")
     return step
+
+
+def checkpoint_folder(run: Path, checkpoint: str | int, use: str = "use") -> Path:
+    """The adapter folder of a run's checkpoint (final, best_margin, best_loss or a step): the run itself for final,
+    else its kept checkpoint folder; a pruned one raises ValueError saying how to recover it."""
+    if str(checkpoint) == "final":
+        return run
+    step = resolve_step(read_index(run), checkpoint)
+    folder = step_dir(run, step)
+    if not folder.exists():
+        raise ValueError(f"checkpoint {step} of {run} was pruned (train.keep_last); recover it with "
+                         f"`orpo replay --run {run} --checkpoint {step} ...` or {use} a kept step")
+    return folder

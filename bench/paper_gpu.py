@@ -20,6 +20,7 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -116,7 +117,9 @@ def overlay(work: Path, a: argparse.Namespace) -> dict[str, Any]:
         "eval": {"prompts": str(work / "ifeval_prompts.jsonl"), "limit": a.limit},
         "render": {"template": str(ROOT / "config/paper/mistral-orpo.jinja")},
         "generate": {"max_tokens": a.max_tokens, "batch_size": a.gen_batch},
-        "train": {"epochs": a.epochs, "checkpoint_every": 0},
+        # One H200 holds 7B full training's weights, masters and moments (101 GB with gradients): a segmented
+        # backward keeps the activations of batch_size 8 pairs of up to 2048 tokens beside them.
+        "train": {"epochs": a.epochs, "checkpoint_every": 0, "engine": json.loads(a.engine)},
         "experiments": {name: {"data": {"raw": str(work / f"{name}.jsonl")}} for name in ("alpha", "beta")},
     }
 
@@ -173,6 +176,9 @@ def main() -> None:
     ap.add_argument("--gen-batch", type=int, default=128)
     ap.add_argument("--cores", type=int, default=os.cpu_count())
     ap.add_argument("--workdir", type=Path, default=Path("/tmp/paper-gpu"))
+    ap.add_argument("--engine", default='{"segment_layers": 2}', help="train.engine overlay, JSON")
+    ap.add_argument("--budget-s", type=float, default=0,
+                    help="stop Snakemake after this many seconds and report what finished (a rerun continues)")
     ap.add_argument("--json", type=Path)
     a = ap.parse_args()
     shape, work = GEOMETRIES[a.geometry], a.workdir
@@ -188,10 +194,15 @@ def main() -> None:
 
     probe = text(np.random.default_rng(2), lexicon, 2000)
     words_per_token = 2000 / len(Tokenizer.from_file(str(work / "model" / "tokenizer.json")).encode(probe).ids)
+    # Inputs are written once: a rerun (the same command) continues the DAG, and a new mtime would redo it.
     for seed, name in enumerate(("alpha", "beta")):
-        write_rows(work / f"{name}.jsonl", a.rows, seed + 10, lexicon, words_per_token)
-    shutil.copyfile(a.prompts, work / "ifeval_prompts.jsonl")
-    (work / "overlay.yaml").write_text(json.dumps(overlay(work, a)))
+        if not (work / f"{name}.jsonl").exists():
+            write_rows(work / f"{name}.jsonl", a.rows, seed + 10, lexicon, words_per_token)
+    if not (work / "ifeval_prompts.jsonl").exists():
+        shutil.copyfile(a.prompts, work / "ifeval_prompts.jsonl")
+    config = json.dumps(overlay(work, a))
+    if not (work / "overlay.yaml").exists() or (work / "overlay.yaml").read_text() != config:
+        (work / "overlay.yaml").write_text(config)
     built = time.perf_counter() - t0
     cmd = [sys.executable, "-m", "snakemake", TARGET, "--snakefile", str(ROOT / "Snakefile"), "--directory", str(work),
            "--configfile", str(ROOT / "config/paper/orpo-ifeval.yaml"), str(work / "overlay.yaml"),
@@ -204,7 +215,14 @@ def main() -> None:
         (work / "bin" / "orpo").chmod(0o755)
         env["PATH"] = f"{work / 'bin'}:{env['PATH']}"
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    run = subprocess.run(cmd, capture_output=True, text=True, check=False, env=env)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        stdout, stderr = proc.communicate(timeout=a.budget_s or None)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGINT)  # Snakemake stops its jobs and removes their incomplete outputs
+        stdout, stderr = proc.communicate()
+        stderr += f"\nstopped after --budget-s {a.budget_s:.0f} s"
+    run = subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
     wall = time.perf_counter() - t1
     result = {"geometry": a.geometry, "rows": a.rows, "build_s": built, "words_per_token": words_per_token,
               "returncode": run.returncode, **summarise(work, wall)}

@@ -148,13 +148,14 @@ def run_train(model: Path, rendered: Path, out: Path, settings: dict[str, Any], 
     cmd = [sys.executable, "-m", "orpo.cli", "train", "--model", str(model), "--rendered", str(rendered),
            "--out", str(out), "--settings", f"@{settings_file}"]
     t0 = time.perf_counter()
-    failed = None
+    failed, stderr = None, ""
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+        stderr = proc.stderr
         if proc.returncode != 0:
             failed = f"exit {proc.returncode}: {(proc.stderr.strip().splitlines() or ['(no output)'])[-1][:200]}"
-    except subprocess.TimeoutExpired:
-        failed = f"timed out after {timeout} s"
+    except subprocess.TimeoutExpired as e:
+        failed, stderr = f"timed out after {timeout} s", (e.stderr or b"").decode(errors="replace")
     wall = time.perf_counter() - t0
     folder = out if failed is None else out.with_name(out.name + ".partial")
     metrics = folder / "metrics.jsonl"
@@ -165,7 +166,7 @@ def run_train(model: Path, rendered: Path, out: Path, settings: dict[str, Any], 
               if train and k in train[0]}
     result: dict[str, Any] = {"wall_s": wall, "series": series}
     if failed:
-        result["failed"] = failed
+        result["failed"], result["stderr_tail"] = failed, stderr[-3000:]
     if len(train) > skip + 1:
         result.update(steady(lines, skip))
         result["shapes"] = train[-1].get("shapes")

@@ -97,34 +97,87 @@ class Bucket:
                 for name, shape, o in zip(self.names, self.shapes, self.offsets)]
 
 
+# 2^15 as the low half of a float32's bits: from here up the high half was rounded up (see split_float32).
+_HALF = 0x8000
+
+
+def split_float32(x: mx.array) -> tuple[mx.array, mx.array]:
+    """A float32 array as (its bf16 rounding, the low 16 bits of its bits): 4 bytes that hold it exactly.
+
+    The bf16 half is the float32's top 16 bits rounded to nearest (ties away from zero, where mlx's cast rounds
+    ties to even: a tie is 1 in 65,536 values), so it is the weight a bf16 model computes with, and
+    `join_float32` undoes the split bit for bit.
+    """
+    bits = mx.view(x, mx.uint32)
+    low = (bits & 0xFFFF).astype(mx.uint16)
+    high = ((bits >> 16) + (low >= _HALF).astype(mx.uint32)).astype(mx.uint16)
+    return mx.view(high, mx.bfloat16), low
+
+
+def join_float32(high: mx.array, low: mx.array) -> mx.array:
+    """The float32 array `split_float32` split into (high, low)."""
+    top = (mx.view(high, mx.uint16) - (low >= _HALF).astype(mx.uint16)).astype(mx.uint32)
+    return mx.view((top << 16) | low.astype(mx.uint32), mx.float32)
+
+
+def master_extra_bytes(dtype: Any, master: Any) -> int:
+    """Bytes per weight a master of dtype `master` takes beside a weight of `dtype`: 0 for none, 2 for a split
+    float32 under bf16 (its low half), else the master's own size."""
+    if master == dtype:
+        return 0
+    return 2 if (dtype, master) == (mx.bfloat16, mx.float32) else master.size
+
+
+def adamw_rule(p, m, v, g, lr, scale, weight_decay: float, betas: tuple[float, float], eps: float, correction):
+    """One AdamW step of flat arrays in their (master) dtype: decoupled decay, then the moment step; `correction`
+    is None (mlx's rule) or (1 - b1^t, sqrt(1 - b2^t)) for torch's bias-corrected one."""
+    b1, b2 = betas
+    g = g * scale
+    m = b1 * m + (1 - b1) * g
+    v = b2 * v + (1 - b2) * mx.square(g)
+    p = p * (1 - lr * weight_decay)
+    if correction is None:
+        return p - lr * m / (mx.sqrt(v) + eps), m, v
+    c1, c2 = correction
+    return p - (lr / c1) * m / (mx.sqrt(v) / c2 + eps), m, v
+
+
 class FlatAdamW:
-    """AdamW (mlx's rule: decoupled decay, no bias correction) over the trainable weights held in flat buffers
-    per learning-rate group; the model's weights are views into them.
+    """AdamW (decoupled decay; mlx's rule without bias correction, or torch's with it) over the trainable weights
+    held in flat buffers per learning-rate group; the model's weights are views into them.
 
     A LoRA model has hundreds of small matrices, and updating them one by one costs a few kernel launches each:
     that launch cost, not arithmetic, bounds the update (bench/README.md). Flat, an update is one concatenation of
     the gradients, one norm and one fused kernel per group. The rule is elementwise, so each weight's arithmetic is
     the same as per-matrix AdamW's; only the clipping norm sums in a different order.
 
-    `master_dtype` (full-parameter training of a bf16 model): the buffers and moments are in this dtype, and the
-    model's weights of another dtype are its rounding, refreshed after each update (views of one rounded copy per
-    buffer), so updates far below the model dtype's resolution still add up. `bucket_elements` > 0 cuts each
-    group into buffers of at most that many elements (a larger weight alone): an update's temporaries are then
-    one buffer's, and a lone weight's gradient needs no concatenation.
+    `master_dtype` (full-parameter training of a bf16 model): the update runs on master weights and moments in
+    this dtype, so updates far below the model dtype's resolution still add up. A bf16 weight's float32 master
+    is held as the bf16 weight itself plus the low 16 bits of the master's (`split_float32`): exact, in 2 bytes
+    more per weight instead of 4; another dtype's master is a copy whose rounding the model gets after each
+    update. `bucket_elements` > 0 cuts each group into buffers of at most that many elements (a larger weight
+    alone) and `bucketwise` evaluates the update one buffer at a time, each in place: its temporaries are then
+    one buffer's, not the model's.
     """
 
     def __init__(self, rates: list[Callable | float], weight_decay: float, group_of: Callable[[str], int],
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, master_dtype: Any = None,
-                 bucket_elements: int = 0) -> None:
+                 bucket_elements: int = 0, bias_correction: bool = False, bucketwise: bool = False) -> None:
         self.rates = [r if callable(r) else (lambda step, r=r: mx.array(r, mx.float32)) for r in rates]
         self.weight_decay, self.group_of, self.betas, self.eps = weight_decay, group_of, betas, eps
         self.master_dtype, self.bucket_elements = master_dtype, bucket_elements
+        self.bias_correction, self.bucketwise = bias_correction, bucketwise
         self.buckets: list[Bucket] = []
-        self.state: dict[str, Any] = {"step": mx.array(0, mx.uint64), "p": [], "m": [], "v": []}
+        # p: the stored weights (the master where it is a copy); low: the master's low bits where it is split.
+        self.state: dict[str, Any] = {"step": mx.array(0, mx.uint64), "p": [], "m": [], "v": [], "low": []}
         self.attaches = 0  # attach() calls: weights taken from the model (a start, a checkpoint restore)
+        self._rules: dict[int, Callable] = {}
 
     def _master(self, dtype: Any) -> Any:
         return dtype if self.master_dtype is None else self.master_dtype
+
+    def _split(self, b: Bucket) -> bool:
+        return master_extra_bytes(b.dtype, self._master(b.dtype)) == 2
 
     def _layout(self, params: list[tuple[str, mx.array]]) -> list[Bucket]:
         """The buckets of the model's trainable weights: by group (in group order), dtype and bucket_elements."""
@@ -152,7 +205,7 @@ class FlatAdamW:
         self.buckets = self._layout(params)
         weights = dict(params)
         del params
-        for k in ("p", "m", "v"):
+        for k in ("p", "m", "v", "low"):
             self.state[k] = []
         for b in self.buckets:
             master = self._master(b.dtype)
@@ -164,8 +217,11 @@ class FlatAdamW:
                 m, v = mx.zeros_like(p), mx.zeros_like(p)
             else:
                 m, v = (b.flat({n: state[f"{n}.{k}"] for n in b.names}).astype(master) for k in ("m", "v"))
-            mx.eval(p, m, v)
-            for k, x in zip(("p", "m", "v"), (p, m, v)):
+            low = mx.zeros((0,), mx.uint16)
+            if self._split(b):
+                p, low = split_float32(p)
+            mx.eval(p, m, v, low)
+            for k, x in zip(("p", "m", "v", "low"), (p, m, v, low)):
                 self.state[k].append(x)
             self._publish_bucket(model, len(self.state["p"]) - 1)
             for n in b.names:
@@ -177,9 +233,26 @@ class FlatAdamW:
         b, p = self.buckets[i], self.state["p"][i]
         model.update(tree_unflatten(b.views(p if p.dtype == b.dtype else p.astype(b.dtype))))
 
-    def _publish(self, model: nn.Module) -> None:
-        for i in range(len(self.buckets)):
-            self._publish_bucket(model, i)
+    def master(self, i: int) -> mx.array:
+        """Bucket i's weights in the master dtype (joined from their halves where split)."""
+        p = self.state["p"][i]
+        return join_float32(p, self.state["low"][i]) if self._split(self.buckets[i]) else p
+
+    def _rule(self, split: bool) -> Callable:
+        """The bucket update (stored weights, low bits, moments, gradient, rate, scale, corrections) -> the new
+        stored weights, low bits and moments; compiled, one per storage kind."""
+        if split not in self._rules:
+            corrected = self.bias_correction
+
+            def rule(p, low, m, v, g, lr, scale, c1, c2):
+                master = join_float32(p, low) if split else p
+                g = g.astype(master.dtype)
+                master, m, v = adamw_rule(master, m, v, g, lr.astype(g.dtype), scale.astype(g.dtype),
+                                          self.weight_decay, self.betas, self.eps, (c1, c2) if corrected else None)
+                p, low = split_float32(master) if split else (master, low)
+                return p, low, m, v
+            self._rules[split] = mx.compile(rule)
+        return self._rules[split]
 
     def update(self, model: nn.Module, grads: Any, clip: float) -> tuple[mx.array, mx.array]:
         """Clip the gradients to global norm `clip` (0: no clipping) and apply one step; returns (norm, rate).
@@ -190,34 +263,51 @@ class FlatAdamW:
         flat = [b.flat(by_name) if b.names else mx.zeros_like(p) for b, p in zip(self.buckets, self.state["p"])]
         # Squared in the gradients' dtype, summed in float32: a float32 copy of every gradient, needed both here
         # and by the update after it, would be kept whole until the norm is known.
-        norm = mx.sqrt(sum(mx.sum(mx.square(g).astype(mx.float32)) for g in flat))
-        scale = mx.minimum(clip / (norm + 1e-6), 1.0) if clip > 0 else None  # mlx.optimizers.clip_grad_norm's rule
-        b1, b2 = self.betas
+        squares = [mx.sum(mx.square(g).astype(mx.float32)) for g in flat]
+        if self.bucketwise:  # one bucket's squares at a time; lazily, the graph holds every bucket's at once
+            for sq in squares:
+                mx.eval(sq)
+        norm = mx.sqrt(sum(squares))
+        # mlx.optimizers.clip_grad_norm's rule; scaling by 1 is exact, so no clipping is scale 1.
+        scale = mx.minimum(clip / (norm + 1e-6), 1.0) if clip > 0 else mx.array(1.0, mx.float32)
         step = self.state["step"]
         rates = [rate(step) for rate in self.rates]
-        for i, (b, g) in enumerate(zip(self.buckets, flat)):
-            p, m, v = self.state["p"][i], self.state["m"][i], self.state["v"][i]
-            g = g.astype(p.dtype)
-            if scale is not None:
-                g = g * scale
-            lr = rates[b.group].astype(g.dtype)
-            m = b1 * m + (1 - b1) * g
-            v = b2 * v + (1 - b2) * mx.square(g)
-            p = p * (1 - lr * self.weight_decay) - lr * m / (mx.sqrt(v) + self.eps)
-            self.state["p"][i], self.state["m"][i], self.state["v"][i] = p, m, v
+        t = (step + 1).astype(mx.float32)  # torch's step count: 1 at the first update
+        correction = (1 - self.betas[0] ** t, mx.sqrt(1 - self.betas[1] ** t))
+        for i, b in enumerate(self.buckets):
+            old = [self.state[k][i] for k in ("p", "low", "m", "v")]
+            for k in ("p", "low", "m", "v"):
+                self.state[k][i] = None  # held by the graph alone, so the new arrays may reuse their memory
+            new = self._rule(self._split(b))(*old, flat[i], rates[b.group], scale, *correction)
+            del old
+            flat[i] = None
+            for k, x in zip(("p", "low", "m", "v"), new):
+                self.state[k][i] = x
+            if self.bucketwise:
+                mx.eval(new)
+                self._publish_bucket(model, i)
+            del new
         self.state["step"] = step + 1
-        self._publish(model)
+        if not self.bucketwise:
+            self._publish(model)
         return norm, rates[-1]
+
+    def _publish(self, model: nn.Module) -> None:
+        for i in range(len(self.buckets)):
+            self._publish_bucket(model, i)
 
     def state_dict(self) -> dict[str, mx.array]:
         """Step count and moments, one array per weight (by the weight's name), and the master weights where the
-        model holds a rounding of them (`<name>.master`): what a checkpoint saves."""
+        model holds a rounding of them (`<name>.master`, float32 whether held split or as a copy): what a
+        checkpoint saves."""
         out = {"step": self.state["step"]}
         for i, b in enumerate(self.buckets):
-            kinds = ("m", "v") if self._master(b.dtype) == b.dtype else ("m", "v", "p")
-            for k in kinds:
-                for name, view in b.views(self.state[k][i]):
-                    out[f"{name}.{'master' if k == 'p' else k}"] = view
+            arrays = {"m": self.state["m"][i], "v": self.state["v"][i]}
+            if self._master(b.dtype) != b.dtype:
+                arrays["master"] = self.master(i)
+            for k, flat in arrays.items():
+                for name, view in b.views(flat):
+                    out[f"{name}.{k}"] = view
         return out
 
     def load_state_dict(self, model: nn.Module, state: dict[str, mx.array]) -> None:
@@ -226,13 +316,14 @@ class FlatAdamW:
         self.state["step"] = state["step"]
 
     def nbytes(self) -> int:
-        """Bytes the optimizer holds: its buffers (master weights where they are not the model's own) and moments."""
+        """Bytes the optimizer holds beyond the model's weights: master copies or low halves, and the moments."""
         own = sum(p.nbytes for b, p in zip(self.buckets, self.state["p"]) if p.dtype != b.dtype)
-        return own + sum(x.nbytes for k in ("m", "v") for x in self.state[k])
+        return own + sum(x.nbytes for k in ("m", "v", "low") for x in self.state[k])
 
 
 def lora_adamw(
     kind: str, lr: float, total_steps: int, warmup_steps: int, weight_decay: float, plus_ratio: float = 1.0,
+    bias_correction: bool = False,
 ) -> FlatAdamW:
     """AdamW for LoRA weights; with plus_ratio != 1 (LoRA+, Hayou et al. 2024) the B matrices get lr * plus_ratio.
 
@@ -241,6 +332,7 @@ def lora_adamw(
     """
     base = lr_schedule(kind, lr, total_steps, warmup_steps)
     if plus_ratio == 1.0:
-        return FlatAdamW([base], weight_decay, lambda name: 0)
+        return FlatAdamW([base], weight_decay, lambda name: 0, bias_correction=bias_correction)
     fast = lr_schedule(kind, lr * plus_ratio, total_steps, warmup_steps)
-    return FlatAdamW([fast, base], weight_decay, lambda name: 0 if name.endswith("lora_b") else 1)
+    return FlatAdamW([fast, base], weight_decay, lambda name: 0 if name.endswith("lora_b") else 1,
+                     bias_correction=bias_correction)

@@ -12,7 +12,7 @@ import mlx.nn as nn
 import mlx.optimizers as optim
 import numpy as np
 import pytest
-from mlx.utils import tree_flatten
+from mlx.utils import tree_flatten, tree_map
 from mlx_lm import load
 from mlx_lm.utils import load_model
 from test_engine_ladder import ENGINES, LAM, assert_close, naive
@@ -22,7 +22,7 @@ from conftest import TINY_TRAIN, shortest_pairs
 from orpo.train.settings import train_settings
 from orpo.engine.head import lm_head_of
 from orpo.io import sha256_file
-from orpo.optim import FlatAdamW
+from orpo.optim import FlatAdamW, join_float32, split_float32
 from orpo.train.checkpoint import read_index, step_dir
 from orpo.train.footprint import parameter_bytes
 from orpo.train.full import BUCKET_ELEMENTS, apply_full, frozen_modules, full_adamw
@@ -106,6 +106,119 @@ def test_lr_5e6_updates_on_bf16_weights_add_up_as_in_float32():
         assert drift.mean() > 1e-4  # the float32 reference did move
         assert moved_ours.mean() > 0.5 and moved_inplace.mean() < 0.5 * moved_ours.mean(), (name, moved_ours.mean(),
                                                                                             moved_inplace.mean())
+
+
+def test_split_float32_holds_a_float32_exactly_and_its_high_half_is_the_bf16_rounding():
+    """split_float32 / join_float32 round-trip every float32 bit for bit (signs, zero, tiny and huge values, values
+    whose rounding carries into the exponent); the high half is mlx's bf16 cast but at exact ties (low half 0x8000),
+    where it rounds away from zero instead of to even."""
+    rng = np.random.default_rng(0)
+    bits = np.concatenate([rng.integers(0, 2**32, 200_000, dtype=np.uint64).astype(np.uint32),
+                           np.array([0, 0x80000000, 0x3F7FFFFF, 0xBF7FFFFF, 0x3F808000, 0x3F818000, 0x00008000,
+                                     0x0000FFFF, 0x7F7F0000], np.uint32)])
+    x = bits.view(np.float32)
+    x = x[np.isfinite(x)]
+    high, low = split_float32(mx.array(x))
+    assert high.dtype == mx.bfloat16 and low.dtype == mx.uint16
+    assert np.array_equal(np.array(join_float32(high, low)).view(np.uint32), x.view(np.uint32))
+    cast = np.array(mx.array(x).astype(mx.bfloat16).astype(mx.float32))
+    ours = np.array(high.astype(mx.float32))
+    tie = (x.view(np.uint32) & 0xFFFF) == 0x8000
+    assert np.array_equal(ours[~tie], cast[~tie]) and tie.sum() >= 2
+    assert np.all(np.abs(ours[tie]) >= np.abs(x[tie]))  # away from zero
+
+
+def _bf16_layer_and_grads(seed: int):
+    mx.random.seed(seed)
+    layer = nn.Linear(64, 48)
+    layer.set_dtype(mx.bfloat16)
+    grads = []
+    for step in range(60):
+        k = mx.random.split(mx.random.key(100 + step))
+        grads.append({"weight": mx.random.normal((48, 64), key=k[0]).astype(mx.bfloat16),
+                      "bias": mx.random.normal((48,), key=k[1]).astype(mx.bfloat16)})
+    return layer, grads
+
+
+@pytest.mark.parametrize("bias_correction", [False, True])
+def test_split_masters_follow_a_float32_copy_bit_for_bit(bias_correction):
+    """The split master (the bf16 weight plus its low 16 bits) runs the same float32 arithmetic as a float32 copy:
+    after 60 steps at lr 5e-6 with clipping, masters and moments are bit-identical, bucketwise or whole."""
+    runs = []
+    for split, bucketwise in [(True, True), (False, False), (True, False)]:
+        layer, grads = _bf16_layer_and_grads(3)
+        opt = FlatAdamW([5e-6], 0.01, lambda name: 0, master_dtype=mx.float32, bucket_elements=1000,
+                        bias_correction=bias_correction, bucketwise=bucketwise)
+        if not split:
+            opt._split = lambda b: False  # the float32 copy, as a float16 model's master is held
+        opt.attach(layer)
+        for g in grads:
+            opt.update(layer, g, 1.0)
+            mx.eval(layer.parameters(), opt.state)
+        assert opt.nbytes() == (2 if split else 4) * 3120 + 8 * 3120
+        runs.append({k: np.array(v) for k, v in opt.state_dict().items()})
+    for other in runs[1:]:
+        assert runs[0].keys() == other.keys()
+        for k in runs[0]:
+            assert np.array_equal(runs[0][k].view(np.uint32) if runs[0][k].dtype == np.float32 else runs[0][k],
+                                  other[k].view(np.uint32) if other[k].dtype == np.float32 else other[k]), k
+
+
+def test_bias_correction_is_torchs_adamw():
+    """With bias_correction, FlatAdamW on float32 weights is torch.optim.AdamW's algorithm (its documented update,
+    in float64 numpy): lr/(1 - b1^t) * m / (sqrt(v)/sqrt(1 - b2^t) + eps) after the decoupled decay; without it,
+    the first update of a weight is (1 - b1)/sqrt(1 - b2) = 3.16x as large."""
+    lr, wd, (b1, b2), eps = 1e-2, 0.1, (0.9, 0.999), 1e-8
+    rng = np.random.default_rng(1)
+    w0, grads = rng.normal(size=(16,)), [rng.normal(size=(16,)) for _ in range(5)]
+    p, m, v = w0.copy(), np.zeros(16), np.zeros(16)
+    for t, g in enumerate(grads, 1):
+        p *= 1 - lr * wd
+        m = b1 * m + (1 - b1) * g
+        v = b2 * v + (1 - b2) * g * g
+        p -= lr / (1 - b1**t) * m / (np.sqrt(v) / np.sqrt(1 - b2**t) + eps)
+    steps = {}
+    for corrected in (True, False):
+        layer = nn.Linear(16, 1, bias=False)
+        layer.weight = mx.array(w0[None].astype(np.float32))
+        opt = FlatAdamW([lr], wd, lambda name: 0, bias_correction=corrected)
+        opt.attach(layer)
+        for g in grads:
+            opt.update(layer, {"weight": mx.array(g[None].astype(np.float32))}, 0.0)
+            mx.eval(layer.parameters())
+            steps.setdefault(corrected, np.array(layer.weight[0]) - w0 * (1 - lr * wd))
+        if corrected:
+            np.testing.assert_allclose(np.array(layer.weight[0]), p, rtol=1e-5, atol=1e-6)
+    ratio = np.abs(steps[False]) / np.abs(steps[True])
+    np.testing.assert_allclose(ratio, (1 - b1) / np.sqrt(1 - b2), rtol=1e-3)
+
+
+def test_bucketwise_update_needs_one_buckets_temporaries():
+    """Full training's update, one bucket at a time in place: its peak above the steady state (weights, low
+    halves, moments, gradients) is a fraction of a byte per weight with 24 buckets, where one compiled update of
+    every bucket (how a LoRA update runs) holds the old and the new state together (12 bytes more per weight)."""
+    class Stack(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = [nn.Linear(512, 512, bias=False) for _ in range(24)]
+
+    peaks = {}
+    for bucketwise in (True, False):
+        model = Stack()
+        model.set_dtype(mx.bfloat16)
+        opt = FlatAdamW([5e-6], 0.0, lambda name: 0, master_dtype=mx.float32, bucket_elements=512 * 512,
+                        bucketwise=bucketwise)
+        opt.attach(model)
+        grads = tree_map(mx.ones_like, model.trainable_parameters())
+        state = [model.state, opt.state]
+        update = (lambda g: opt.update(model, g, 1.0)) if bucketwise else \
+            mx.compile(lambda g: opt.update(model, g, 1.0), inputs=state, outputs=state)
+        mx.eval(update(grads), opt.state, model.parameters())  # traces and compiles first
+        base = mx.get_active_memory()
+        mx.reset_peak_memory()
+        mx.eval(update(grads), opt.state, model.parameters())
+        peaks[bucketwise] = (mx.get_peak_memory() - base) / (24 * 512 * 512)
+    assert peaks[True] < 2 and peaks[False] > 10, peaks
 
 
 def test_checkpointed_state_restores_the_masters(tmp_path):
@@ -275,7 +388,8 @@ def test_predicted_parameter_memory_is_exact(bf16_base, short):
     n = sum(v.size for _, v in tree_flatten(sess.model.parameters()))
     assert predicted["weights"] == sum(v.nbytes for _, v in tree_flatten(sess.model.parameters())) == 2 * n
     assert predicted["gradients"] == sum(v.nbytes for _, v in tree_flatten(grads)) == 2 * n
-    assert predicted["master_weights"] + predicted["moments"] == sess.opt.nbytes() == 12 * n
+    # float32 masters held as the bf16 weights plus their low halves (2 bytes), float32 moments (8)
+    assert predicted["master_weights"] + predicted["moments"] == sess.opt.nbytes() == 10 * n
     lora = build_session(bf16_base, short, train_settings({**TINY_TRAIN, "grad_accum": 2}), dtype="bfloat16")
     lora.step(1)
     predicted = parameter_bytes(lora.model, lora.opt.master_dtype, 2)

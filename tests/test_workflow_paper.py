@@ -36,6 +36,7 @@ RECIPE = {
     "render.add_bos": True,                        # tokenizer(text) adds <s>
     "curate.validation_fraction": 0,               # the whole train split
     "train.nll_span": "prompt_and_response",       # their NLL, without --disable_prompt_loss
+    "train.bias_correction": True,                 # the HF Trainer's torch AdamW corrects the moments' bias
 }
 
 

@@ -16,6 +16,7 @@ from mlx.utils import tree_flatten
 
 from orpo.device import on_cuda
 from orpo.engine.head import chunk_for
+from orpo.optim import master_extra_bytes
 from orpo.train.memory import device_memory
 from orpo.settings import as_dict
 
@@ -25,14 +26,14 @@ GB = 1e9
 def parameter_bytes(model: Any, master_dtype: Any, grad_copies: int) -> dict[str, int]:
     """Exact bytes of the model's weights (every array, in its dtype), of a step's gradients (`grad_copies` sets of
     the trainable weights, in their dtype), of the master weights (trainable weights not already in the master
-    dtype, held again in it) and of AdamW's two moments (in the master dtype)."""
+    dtype, held again in it, or as their low halves under bf16) and of AdamW's two moments (in the master dtype)."""
     weights = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
     trainable = [v for _, v in tree_flatten(model.trainable_parameters())]
     master = [master_dtype or v.dtype for v in trainable]
     return {
         "weights": weights,
         "gradients": grad_copies * sum(v.nbytes for v in trainable),
-        "master_weights": sum(v.size * m.size for v, m in zip(trainable, master) if m != v.dtype),
+        "master_weights": sum(v.size * master_extra_bytes(v.dtype, m) for v, m in zip(trainable, master)),
         "moments": 2 * sum(v.size * m.size for v, m in zip(trainable, master)),
     }
 

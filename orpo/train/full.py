@@ -80,15 +80,18 @@ def apply_full(model: nn.Module, settings: dict[str, Any]) -> dict[str, Any]:
             "trainable_parameters": sum(v.size for _, v in trainable), "dtypes": dtypes}
 
 
-def full_adamw(kind: str, lr: float, total_steps: int, warmup_steps: int, weight_decay: float) -> FlatAdamW:
-    """AdamW over every trainable weight with float32 master weights and moments, in buckets of BUCKET_ELEMENTS.
+def full_adamw(kind: str, lr: float, total_steps: int, warmup_steps: int, weight_decay: float,
+               bias_correction: bool = False) -> FlatAdamW:
+    """AdamW over every trainable weight with float32 master weights and moments, in buckets of BUCKET_ELEMENTS
+    updated one at a time in place (so the update needs a bucket's temporaries, not a model's).
 
     The model's weights stay in their own dtype and are refreshed from the masters after each update: at a
     bf16 model's lr of 5e-6 an update is below half a bf16 ulp of most weights and would be lost in place
     (tests/test_train_full.py shows it); a float32 master accumulates it.
     """
     return FlatAdamW([lr_schedule(kind, lr, total_steps, warmup_steps)], weight_decay, lambda name: 0,
-                     master_dtype=mx.float32, bucket_elements=BUCKET_ELEMENTS)
+                     master_dtype=mx.float32, bucket_elements=BUCKET_ELEMENTS, bias_correction=bias_correction,
+                     bucketwise=True)
 
 
 # --- what a full run writes: model folders ---

@@ -44,13 +44,18 @@ class CachePolicy:
         if self.setting != "auto":
             self._set(int(self.setting * GB), 0)
 
-    def start(self) -> None:
+    def start(self, expected_peak: int = 0) -> None:
         """Note what is resident before the first step; the run's peak counts from here. With auto, the first
-        step (its peak not yet known) caches at most what fits beside the resident arrays under HEADROOM."""
+        step (its peak not yet measured) caches at most what fits under HEADROOM beside the larger of the
+        resident arrays and `expected_peak` (the run's predicted peak): a 7B full-parameter step grows the
+        active set by its gradients and activations, and a cache sized beside the resident arrays alone fills
+        the device before that step ends."""
+        mx.clear_cache()  # what loading and attaching freed: the step's own buffers are another size
         self.resident = mx.get_active_memory()
         mx.reset_peak_memory()
         if self.setting == "auto":
-            self._set(int(max(0, min(self.mlx_limit, self._ceiling() - self.resident))), 0)
+            room = self._ceiling() - max(self.resident, expected_peak)
+            self._set(int(max(0, min(self.mlx_limit, room))), 0)
 
     def _ceiling(self) -> float:
         return min(HEADROOM * device_memory(), mx.get_memory_limit())

@@ -159,6 +159,8 @@ class Session:
         """
         if not self.opt.attaches:
             self.opt.attach(self.model)
+        if self.opt.bucketwise:  # evaluated bucket by bucket, each bucket's rule compiled on its own
+            return lambda grads: self.opt.update(self.model, grads, self.s.grad_clip)
         if self._update is None or self._update[0] != self.opt.attaches:
             clip = self.s.grad_clip
             state = [self.model.state, self.opt.state]
@@ -231,5 +233,6 @@ def build_session(base_dir: str | Path, rendered_dir: str | Path, settings: Trai
     rows_per_step = s.batch_size * s.grad_accum * shard.size  # the global batch, cut per rank in micro_batches
     schedule = batch_schedule(pair_lengths(train), rows_per_step, s.epochs, s.seed, s.max_steps, window)
     rule = (s.schedule, s.lr, len(schedule), warmup_steps_for(len(schedule), s.warmup), s.weight_decay)
-    opt = full_adamw(*rule) if is_full(adapter_config) else lora_adamw(*rule, s.lora.plus_ratio)
+    opt = (full_adamw(*rule, s.bias_correction) if is_full(adapter_config)
+           else lora_adamw(*rule, s.lora.plus_ratio, s.bias_correction))
     return Session(resolved, model, opt, adapter_config, train, schedule, keys, init, shard, precision=precision)

@@ -103,6 +103,7 @@ class TrainSettings:
     grad_clip: float
     divergence_ratio: float
     weight_decay: float
+    bias_correction: bool
     seed: int
     checkpoint_every: int
     checkpoint_each_epoch: bool

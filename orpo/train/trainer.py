@@ -150,7 +150,8 @@ def _train(sess: Session, record: dict[str, Any], rendered_dir: str | Path, out_
             open_trackers(s.report_to, work, record, start) as trackers:
         if start == 0 and index.get("baseline"):
             trackers.log(index["baseline"], 0, "validation")
-        cache.start()
+        sess.update_fn()  # the optimizer takes the weights now: its state is resident before the first step
+        cache.start(predicted["bytes"]["peak"])
         rate = Throughput()
         batches = sess.prepare(start + 1) if start < sess.total_steps else []
         for step in range(start + 1, sess.total_steps + 1):

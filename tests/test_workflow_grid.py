@@ -6,7 +6,8 @@ import re
 import matplotlib.image
 import pytest
 import yaml
-from test_workflow import MICRO, job_counts, micro_workflow, session_repo, snakemake, workspace
+from test_workflow import MICRO, job_counts, micro_workflow, snakemake
+from test_workflow_paper import tiny_paper_workflow
 
 from orpo.config import ConfigError, validate_config
 from orpo.experiments import Layout, expand, stage_keys
@@ -36,18 +37,25 @@ def test_two_lambdas_compute_upstream_once_and_train_to_ifeval_twice(tmp_path):
     assert len(shared) == 5 and all(re.match(r"results/shared/[0-9a-f]{10}/", p) for p in shared)
 
 
-def test_a_grid_run_summarises_every_experiment(tmp_path_factory, tmp_path):
-    """Two experiments trained for real on the micro run's base model and rows: results/summary.md holds each
-    one's IFEval of base and trained model with 95% intervals, its validation accuracy and replay, and
-    results/summary.png shows them side by side."""
+def test_a_grid_on_a_given_model_and_rows_plans_no_data_or_base(tmp_path_factory, tmp_path):
+    """model.path and data.raw given (the micro run's): the grid plans no data or base stage, the rest as above."""
     micro = micro_workflow(tmp_path_factory)
-    work = workspace(session_repo(tmp_path_factory), tmp_path / "grid")
     config = {**MICRO, "model": {"path": str(micro / "results" / "base" / "model")},
               "data": {"raw": str(micro / "results" / "data" / "raw.jsonl")},
-              "train": {**MICRO["train"], "max_steps": 4},
               "experiments": {"lam01": {"train": {"lambda": 0.1}}, "lam05": {"train": {"lambda": 0.5, "seed": 1}}}}
-    (work / "micro.yaml").write_text(yaml.safe_dump(config))
-    result = snakemake(work, "results/summary.md")
+    (tmp_path / "micro.yaml").write_text(yaml.safe_dump(config))
+    result = snakemake(tmp_path, "-n", "results/summary.md")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert job_counts(result) == {"curate": 1, "render": 1, "generate_base": 1, "train": 2, "replay": 2,
+                                  "generate_orpo": 2, "ifeval": 2, "summary_table": 1}
+
+
+def test_a_grid_run_summarises_every_experiment(tmp_path_factory):
+    """Two experiments trained for real (the tiny paper config's alpha and beta, a grid run once per session
+    and shared with test_workflow_paper.py): results/summary.md holds each one's IFEval of base and trained
+    model with 95% intervals, its validation accuracy and replay, and results/summary.png shows them side by side."""
+    work, _, config = tiny_paper_workflow(tmp_path_factory)
+    result = snakemake(work, "results/summary.md", config=config)
     assert result.returncode == 0, result.stderr[-3000:]
     md = (work / "results" / "summary.md").read_text()
     ifeval, other, name = {}, {}, None
@@ -58,9 +66,9 @@ def test_a_grid_run_summarises_every_experiment(tmp_path_factory, tmp_path):
             ifeval[(name, cells[1])] = cells[2:]
         elif len(cells) == 3 and cells[0].startswith("`"):
             other[cells[0].strip("`")] = cells[1:]
-    assert {n for n, _ in ifeval} == set(other) == {"lam01", "lam05"}
+    assert {n for n, _ in ifeval} == set(other) == {"alpha", "beta"}
     metrics = ("prompt_level_strict_acc", "prompt_level_loose_acc", "inst_level_strict_acc", "inst_level_loose_acc")
-    for name in ("lam01", "lam05"):
+    for name in ("alpha", "beta"):
         scores = json.loads((work / "results" / name / "ifeval.json").read_text())
         for label in ("base", "orpo"):
             m = scores["models"][label]
@@ -75,7 +83,7 @@ def test_a_grid_run_summarises_every_experiment(tmp_path_factory, tmp_path):
         assert other[name][0] == (f"{index['baseline']['accuracy']:.3f} at step 0 → {accuracy:.3f} at step {step} "
                                   "(final, scored)")
         assert other[name][1].startswith("equal: step ")
-    assert "`results/lam01/plots/`" in md and "`results/lam05/plots/`" in md
+    assert "`results/alpha/plots/`" in md and "`results/beta/plots/`" in md
     image = matplotlib.image.imread(work / "results" / "summary.png")
     assert image.shape[0] > 300 and image.shape[1] > 1000
 

@@ -4,11 +4,12 @@ import json
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import yaml
 from conftest import ROOT, TINY_BASE
-from test_workflow import MICRO, job_counts, session_repo, snakemake, workspace
+from test_workflow import _SESSION, MICRO, job_counts, session_repo, snakemake, workspace
 
 PAPER = yaml.safe_load((ROOT / "config" / "paper" / "orpo-ifeval.yaml").read_text())
 COLUMNS = ("prompt_level_strict_acc", "prompt_level_loose_acc", "inst_level_strict_acc", "inst_level_loose_acc")
@@ -117,14 +118,23 @@ def test_the_7b_config_dry_runs_its_whole_dag(tmp_path):
     assert [(t["lr"], t["lambda"], t["epochs"]) for t in train] == [(5e-6, 0.1, 5)] * 2
 
 
+def tiny_paper_workflow(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess, tuple[str, str]]:
+    """The tiny paper table built in the session's repository copy, once per session: (workdir, that run's
+    result, its config files). Its two trained experiments are also the grid test_workflow_grid.py summarises."""
+    if "paper" not in _SESSION:
+        repo = session_repo(tmp_path_factory)
+        workdir = workspace(repo, tmp_path_factory.mktemp("paper"))
+        (workdir / "micro.yaml").write_text(yaml.safe_dump(MICRO_PAPER))
+        config = (str(repo / "config" / "paper" / "orpo-ifeval-tiny.yaml"), "micro.yaml")
+        result = snakemake(workdir, "results/paper/orpo-ifeval-tiny/table.md", config=config)
+        assert result.returncode == 0, result.stderr[-4000:]
+        _SESSION["paper"] = (workdir, result, config)
+    return _SESSION["paper"]
+
+
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory):
-    repo = session_repo(tmp_path_factory)
-    workdir = workspace(repo, tmp_path_factory.mktemp("paper"))
-    (workdir / "micro.yaml").write_text(yaml.safe_dump(MICRO_PAPER))
-    tiny = str(repo / "config" / "paper" / "orpo-ifeval-tiny.yaml")
-    result = snakemake(workdir, "results/paper/orpo-ifeval-tiny/table.md", config=(tiny, "micro.yaml"))
-    assert result.returncode == 0, result.stderr[-4000:]
+    workdir, result, _ = tiny_paper_workflow(tmp_path_factory)
     return workdir, result
 
 

@@ -289,6 +289,12 @@ def cmd_report_show(a: argparse.Namespace) -> Any:
     show(a.summary)
 
 
+def cmd_report_objectives(a: argparse.Namespace) -> Any:
+    from orpo.report.objectives import write_objectives
+
+    return write_objectives(a.experiments, a.out, a.plot)
+
+
 def cmd_report_paper(a: argparse.Namespace) -> Any:
     from orpo.io import write_text
     from orpo.report import tables
@@ -461,6 +467,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help='{NAME: {"folder": results/[NAME/], "adapter": generate.adapter}} as JSON or @file')
     q.add_argument("--out", required=True, help="the summary markdown (results/summary.md)")
     q.add_argument("--plot", required=True, help="the summary figure (results/summary.png)")
+    q = rsub.add_parser("objectives", help="the objectives comparison: validation margins, IFEval, margin and λ")
+    q.set_defaults(fn=cmd_report_objectives)
+    q.add_argument("--experiments", type=_settings, required=True,
+                   help='{NAME: {"folder": results/NAME/, "adapter": generate.adapter}} as JSON or @file')
+    q.add_argument("--out", required=True, help="the table (results/objectives/table.md)")
+    q.add_argument("--plot", required=True, help="the figure (results/objectives/margin_lambda.png)")
     q = rsub.add_parser("show", help="print a summary markdown file as a console table")
     q.set_defaults(fn=cmd_report_show)
     q.add_argument("summary", help="results/summary.md")

@@ -217,11 +217,14 @@ def test_batch_schedule_is_seeded_complete_and_groups_lengths():
     assert fill(a) > 0.9 > fill(batch_schedule(lengths, 8, 2, seed=3, window=1)) + 0.1
 
 
-# Every new knob away from its default at once: LoRA+, keyed dropout, accumulation, retention, warm start.
+# Every new knob away from its default at once: LoRA+, keyed dropout, accumulation, retention, warm start, the
+# margin objective with the λ controller (its state carried through checkpoints).
 SINK = {
     **TINY_TRAIN, "batch_size": 2, "grad_accum": 2, "max_steps": 8, "checkpoint_every": 2, "keep_last": 2,
     "seed": 3, "lambda": 0.2, "schedule": "linear", "warmup": 2, "grad_clip": 0.5, "weight_decay": 0.01,
     "group_by_length": True, "lora": {"rank": 4, "alpha": 8, "dropout": 0.1, "plus_ratio": 4.0},
+    "objective": "orpo_margin", "gamma": 0.5, "lambda_schedule": "controller",
+    "controller": {"kp": 3.0, "ki": 0.5, "kd": 1.0, "window": 2, "target_drift": 0.0},
 }
 
 
@@ -230,6 +233,14 @@ def sink(run, tiny_base, tiny_rendered, tmp_path_factory):
     out = tmp_path_factory.mktemp("sink") / "run"
     train(tiny_base, tiny_rendered, out, train_settings({**SINK, "init_adapter": str(run)}))
     return out
+
+
+def test_the_controller_moves_lambda_and_its_checkpoints_keep_its_state(sink):
+    lams = [m["lambda"] for m in map(json.loads, (sink / "metrics.jsonl").read_text().splitlines())
+            if m["split"] == "train"]
+    assert lams[:2] == [0.2, 0.2] and len(set(lams[2:])) > 1  # held for the first window, then moved
+    state = json.loads((sink / "checkpoints" / "step-000006" / "state.json").read_text())["lambda_controller"]
+    assert state["lambda"] == pytest.approx(lams[6], abs=1e-6) and len(state["nlls"]) == 2  # the log rounds
 
 
 def test_keep_last_prunes_folders_but_the_index_keeps_every_hash(sink):
@@ -277,7 +288,7 @@ def test_every_setting_reaches_settings_json_and_adapter_config(sink, run):
     assert config["orpo_train"] == record["resolved"]["settings"]  # what the run used, every auto decided
     assert s["engine"]["compile"] == "auto" and record["resolved"]["settings"]["engine"]["compile"] in (True, False)
     for key, value in SINK.items():
-        assert s[key] == ({**defaults["lora"], **value} if key == "lora" else value), key
+        assert s[key] == ({**defaults[key], **value} if key in ("lora", "controller") else value), key
     assert config["lora_parameters"] == {"rank": 4, "scale": 2.0, "dropout": 0.1,
                                          "keys": config["lora_parameters"]["keys"]}
     assert config["fine_tune_type"] == "lora" and config["num_layers"] == 2

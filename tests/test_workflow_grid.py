@@ -6,6 +6,7 @@ import re
 import matplotlib.image
 import pytest
 import yaml
+from conftest import ROOT
 from test_workflow import MICRO, job_counts, micro_workflow, snakemake
 from test_workflow_paper import tiny_paper_workflow
 
@@ -35,6 +36,20 @@ def test_two_lambdas_compute_upstream_once_and_train_to_ifeval_twice(tmp_path):
             "results/lam01/train/run/complete.json", "results/lam05/train/run/complete.json"} <= set(paths)
     shared = [p for p in paths if p.startswith("results/shared/")]
     assert len(shared) == 5 and all(re.match(r"results/shared/[0-9a-f]{10}/", p) for p in shared)
+
+
+def test_the_objectives_grid_trains_each_objective_on_one_upstream(tmp_path):
+    """config/experiments/objectives.yaml on the micro config: eight runs from one data, base and render, and the
+    objectives table over them all."""
+    (tmp_path / "micro.yaml").write_text(yaml.safe_dump(MICRO))
+    grid = yaml.safe_load((ROOT / "config" / "experiments" / "objectives.yaml").read_text())
+    (tmp_path / "grid.yaml").write_text(yaml.safe_dump(grid))
+    result = snakemake(tmp_path, "-n", "results/objectives/table.md", config=("micro.yaml", "grid.yaml"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert job_counts(result) == {"data": 1, "base": 1, "curate": 1, "render": 1, "generate_base": 1, "train": 8,
+                                  "replay": 8, "generate_orpo": 8, "ifeval": 8, "objectives_table": 1}
+    objectives = {e["train"].get("objective") for e in grid["experiments"].values()}
+    assert objectives == {"orpo", "orpo_margin", "simpo", "dpo"}
 
 
 def test_a_grid_on_a_given_model_and_rows_plans_no_data_or_base(tmp_path_factory, tmp_path):

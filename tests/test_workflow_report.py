@@ -290,3 +290,52 @@ def test_the_slurm_profile_gives_gpus_to_the_model_rules_that_exist():
         assert resources[rule]["slurm_partition"] == "gpu"
         assert re.search(r"--gpus=\d|--gres=gpu", resources[rule]["slurm_extra"]), rule
     assert profile["executor"] == "slurm"
+
+
+def _fake_experiment(folder: Path, settings: dict, margins: list[float], lams: list[float] | None) -> Path:
+    """An experiment folder as the objectives table reads it: ifeval.json, the run's settings, index and metrics."""
+    run = folder / "train" / "run"
+    run.mkdir(parents=True)
+    iv = lambda v: {"estimate": v, "lo": v - 0.05, "hi": v + 0.05}  # noqa: E731
+    models = {label: {**{m: v for m in sources.IFEVAL_METRICS}, "ci95": {m: {"lo": v - 0.05, "hi": v + 0.05}
+                                                                          for m in sources.IFEVAL_METRICS}}
+              for label, v in (("base", 0.2), ("orpo", 0.3))}
+    (folder / "ifeval.json").write_text(json.dumps({"prompts": 300, "models": models, "differences": {
+        "orpo-base": {m: iv(0.1) for m in sources.IFEVAL_METRICS}}}))
+    (folder / "train" / "replay.json").write_text(json.dumps({"equal": True, "step": 4, "checkpoint": "final",
+                                                             "from_step": 2}))
+    (run / "settings.json").write_text(json.dumps({"settings": settings}))
+    validation = lambda m: {"loss": 1.0, "nll": 1.0, "or_loss": 0.7, "accuracy": 0.5 + m, "margin": m}  # noqa: E731
+    (run / "index.json").write_text(json.dumps({
+        "baseline": validation(margins[0]), "final_step": 4,
+        "checkpoints": {"2": {"validation": validation(margins[1])}, "4": {"validation": validation(margins[2])}}}))
+    rows = [{"step": k, "split": "train", "margin": margins[min(k // 2, 2)], **({"lambda": lams[k - 1]} if lams else {})}
+            for k in range(1, 5)]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return folder
+
+
+def test_the_objectives_table_reads_each_runs_loss_margins_lambda_and_ifeval(tmp_path):
+    from orpo.report.objectives import write_objectives
+
+    train = {"lambda": 0.1, "beta": 2.0, "gamma": 1.0, "dpo_beta": 0.1,
+             "controller": {"kp": 5.0, "ki": 0.0, "kd": 0.0, "window": 10, "target_drift": 0.0}}
+    spec = {
+        "controller": _fake_experiment(tmp_path / "controller", {**train, "objective": "orpo",
+                                                                 "lambda_schedule": "controller"},
+                                       [-0.1, 0.2, 0.15], [0.1, 0.1, 0.35, 0.6]),
+        "simpo": _fake_experiment(tmp_path / "simpo", {**train, "objective": "simpo", "lambda_schedule": "constant"},
+                                  [-0.1, 0.05, 0.3], None),
+    }
+    out = write_objectives({k: {"folder": str(v), "adapter": "final"} for k, v in spec.items()},
+                           tmp_path / "table.md", tmp_path / "margin_lambda.png")
+    assert out["experiments"] == ["controller", "simpo"]
+    rows = {cells[0].strip("`"): cells for line in (tmp_path / "table.md").read_text().splitlines()
+            if line.startswith("| `") for cells in [[c.strip() for c in line.strip("|").split("|")]]}
+    c, s = rows["controller"], rows["simpo"]
+    assert c[1].startswith("orpo, λ from 0.1 by controller (kp 5") and s[1] == "simpo, β 2, γ 1"
+    assert c[2] == "0.400 → 0.650 (step 4, final)" and c[3] == "-0.100 → +0.150" and c[4] == "+0.200 (2)"
+    assert c[5] == "0.100 → 0.600" and s[5] == "–"  # simpo has no λ
+    assert s[4] == "+0.300 (4)"
+    assert c[6:] == ["0.200 [0.150, 0.250]", "0.300 [0.250, 0.350]", "+0.100 [+0.050, +0.150]"]
+    assert matplotlib.image.imread(tmp_path / "margin_lambda.png").shape[2] in (3, 4)

@@ -16,8 +16,8 @@ import matplotlib.pyplot as plt
 from orpo.io import atomic_path, write_text
 from orpo.report import sources, tables
 
-CURVES = (("loss", "loss (NLL + λ·OR)"), ("nll", "NLL of chosen"), ("or_loss", "odds-ratio term"),
-          ("margin", "margin: log p(chosen) − log p(rejected)"))
+CURVES = (("loss", "loss (train.objective; orpo: NLL + λ·OR)"), ("nll", "NLL of chosen"),
+          ("or_loss", "odds-ratio term"), ("margin", "margin: log p(chosen) − log p(rejected)"))
 PNG_METADATA = {"Software": None}  # no matplotlib version in the file: same data, same bytes
 SMOOTHING_FRACTION = 0.05  # a smoothed training curve averages about this fraction of its points
 

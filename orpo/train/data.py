@@ -61,3 +61,11 @@ def pair_batch(pairs: Pairs, rows: list[int], input_multiple: int | None = None)
             masks.append([0] * len(pairs.prompt[r]) + resp_masks[r])
     width = (input_multiple, 1) if input_multiple else (16, 0)
     return mx.array(pad_rows(seqs, 0, *width)), mx.array(pad_rows(masks, 0, *width))
+
+
+def scored_counts(pairs: Pairs) -> mx.array:
+    """Scored tokens [2B] of the chosen sequences, then the rejected ones, as every head counts them (a
+    sequence's first token has no predecessor and is never scored)."""
+    counts = [sum(([0] * len(p) + m)[1:]) for masks in (pairs.chosen_mask, pairs.rejected_mask)
+              for p, m in zip(pairs.prompt, masks)]
+    return mx.array(counts, mx.float32)

@@ -8,10 +8,11 @@ where randomness comes from: A's init and the training-time dropout mask come fr
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -43,9 +44,12 @@ class LoRALinear(nn.Module):
         bound = 1 / math.sqrt(in_dims)  # mlx-lm's init: A ~ U(-1/sqrt(in), 1/sqrt(in)), B = 0
         self.lora_a = mx.random.uniform(-bound, bound, (in_dims, rank), key=init_key)
         self.lora_b = mx.zeros((rank, out_dims))
+        self.bypass = False  # adapters_off: the frozen linear alone (a reference model without a copy)
 
     def __call__(self, x: mx.array) -> mx.array:
         y = self.linear(x)
+        if self.bypass:
+            return y
         if self.training and self.p > 0:
             x = keyed_dropout(x, self.p, self._dropout_key)
         # Float32 master weights, computed in the activation dtype (as mixed-precision autocast does): a
@@ -55,6 +59,26 @@ class LoRALinear(nn.Module):
         # its scaled form, in the forward or the backward (CPU, one MLP's backward: 2 of ~15 such tensors).
         dt = x.dtype
         return mx.addmm(y, x @ self.lora_a.astype(dt), self.lora_b.astype(dt), alpha=self.scale)
+
+
+@contextlib.contextmanager
+def adapters_off(model: nn.Module) -> Iterator[None]:
+    """The model without its LoRA updates while inside: the base model's forward, no second copy of its weights.
+
+    Only for eager forwards: a compiled function traced inside would keep the adapters off after it.
+    """
+    layers = [m for _, m in model.named_modules() if isinstance(m, LoRALinear)]
+    if not layers:
+        raise ValueError("train.objective dpo takes its reference from the model with its LoRA adapters off, and "
+                         "this model has none (train.method full would need a frozen reference copy, which is not "
+                         "built): use train.method lora")
+    for m in layers:
+        m.bypass = True
+    try:
+        yield
+    finally:
+        for m in layers:
+            m.bypass = False
 
 
 def refuse_mlp_dropout(layers: list[nn.Module]) -> None:

@@ -26,14 +26,16 @@ from orpo.precision import Precision, load_model
 from orpo.render.template import resolve_model_dir
 from orpo.settings import as_dict
 from orpo.train.accumulate import accumulate_grads
-from orpo.train.data import Pairs, load_pairs, pair_lengths, pair_tokens
+from orpo.train.data import Pairs, load_pairs, pair_lengths, pair_tokens, scored_counts
 from orpo.train.distributed import Shard, join
 from orpo.train.full import full_adamw, is_full, start_full
 from orpo.train.keys import DropoutKeys
-from orpo.train.lora import adapter_folder, apply_lora, warm_start
+from orpo.train.lambdas import ConstantLambda, LambdaController, lambda_schedule
+from orpo.train.lora import adapter_folder, adapters_off, apply_lora, warm_start
+from orpo.train.objectives import Objective, PairLoss, pair_objective
 from orpo.train.settings import EngineSettings, Machine, ResolvedRun, TrainSettings
-from orpo.train.step import (MicroBatch, batch_value_and_grad, check_attention, orpo_loss, pair_scores, prepare,
-                             resolve_engine, tight_rows_fit)
+from orpo.train.step import (MicroBatch, batch_value_and_grad, check_attention, pair_scores, prepare, resolve_engine,
+                             tight_rows_fit)
 
 
 class TrainingError(RuntimeError):
@@ -54,11 +56,14 @@ def resolve_run(settings: TrainSettings, model: nn.Module) -> ResolvedRun:
 
 @dataclass
 class StepResult:
-    """One optimizer step's metrics (arrays, evaluated when read) and its host-side counts."""
+    """One optimizer step's metrics (arrays, evaluated when read), its host-side counts, the λ it ran with, and
+    the λ schedule that reads its NLL once read."""
 
     step: int
     metrics: dict[str, mx.array]
     counts: dict[str, int]
+    lam: float | None = None
+    lambdas: ConstantLambda | LambdaController | None = None
 
     def read(self) -> dict[str, float]:
         """Wait for the step and return its metrics as floats; a non-finite loss or gradient raises TrainingError."""
@@ -67,7 +72,9 @@ class StepResult:
         finite = out.pop("finite")
         if not finite:
             raise TrainingError(f"non-finite loss or gradient at step {self.step}: {out}")
-        return {**out, **self.counts}
+        if self.lambdas is not None:
+            self.lambdas.observe(out["nll"])  # the next step's λ: read before it runs
+        return {**out, **self.counts, **({} if self.lam is None else {"lambda": self.lam})}
 
 
 @dataclass
@@ -94,6 +101,18 @@ class Session:
     def __post_init__(self) -> None:
         check_attention(self.model, self.engine)
         self._lengths = pair_tokens(self.train)
+        self.objective = Objective.of(self.s)
+        self.lambdas = lambda_schedule(self.s)
+
+    def loop_state(self) -> dict[str, Any]:
+        """What a checkpoint keeps beyond the weights and the optimizer for the steps after it to run alike."""
+        state = self.lambdas.state()
+        return {} if state is None else {"lambda_controller": state}
+
+    def restore(self, state: dict[str, Any]) -> None:
+        """Continue after a checkpoint: its state.json's loop state (the weights and optimizer restored apart)."""
+        if isinstance(self.lambdas, LambdaController):
+            self.lambdas.load(state.get("lambda_controller"))
 
     @property
     def s(self) -> TrainSettings:
@@ -125,12 +144,14 @@ class Session:
         """Start optimizer step `step` (1-based) on its prepared micro-batches; its metrics are read later."""
         if not self.model.training:  # evaluate() leaves it in eval mode (no dropout)
             self.model.train()
+        lam = self.lambdas.value
+        loss = PairLoss(self.objective, lam)
         with memory_limit(self.engine.memory_limit_gb):
 
             def micro(j: int) -> tuple[dict[str, mx.array], Any]:
                 self.keys.at(step, j)  # dropout masks of this micro-batch: keyed by (seed, step, j, module)
                 self.signatures.add(batches[j].signature())
-                (_, metrics), grads = batch_value_and_grad(self.model, batches[j], self.s.lambda_, self.engine)
+                (_, metrics), grads = batch_value_and_grad(self.model, batches[j], loss, self.engine)
                 return metrics, grads
 
             seen = len(self.signatures)
@@ -146,7 +167,7 @@ class Session:
             # Encoded now (under the memory limit), waited for in StepResult.read.
             mx.async_eval(metrics, self.opt.state)
         counts["tokens"] = counts.pop("scored")
-        return StepResult(step, metrics, counts)
+        return StepResult(step, metrics, counts, lam, self.lambdas)
 
     def step(self, step: int) -> dict[str, float]:
         """Run optimizer step `step` (1-based) and return its metrics as floats."""
@@ -169,21 +190,30 @@ class Session:
         return self._update[1]
 
     def evaluate(self, pairs: Pairs) -> dict[str, float]:
-        """ORPO metrics over a whole split (exact means over rows, batched forwards, no dropout)."""
+        """The objective's metrics over a whole split at the current λ (exact means over rows, batched forwards, no
+        dropout)."""
         self.model.eval()
-        lw, lr, nll = [], [], []
+        chosen, rejected, nll, counts, ref = [], [], [], [], []
         bs = self.s.batch_size
         by_length = sorted(range(len(pairs)), key=pair_lengths(pairs).__getitem__)
         for i in range(0, len(pairs), bs):
-            rows = by_length[i : i + bs]
-            chosen, rejected, nll_logp = pair_scores(self.model, pairs.select(rows), self.engine, self.s.nll_span,
-                                                     self.resolved.tight_rows)
-            mx.eval(chosen, rejected, nll_logp)
-            lw.append(chosen)
-            lr.append(rejected)
+            batch = pairs.select(by_length[i : i + bs])
+            lw, lr, nll_logp = pair_scores(self.model, batch, self.engine, self.s.nll_span, self.resolved.tight_rows)
+            mx.eval(lw, lr, nll_logp)
+            chosen.append(lw)
+            rejected.append(lr)
             nll += [] if nll_logp is None else [nll_logp]
-        _, metrics = orpo_loss(mx.concatenate(lw), mx.concatenate(lr), self.s.lambda_,
-                               mx.concatenate(nll) if nll else None)
+            counts.append(scored_counts(batch).reshape(2, -1))
+            if self.objective.needs_reference:
+                with adapters_off(self.model):
+                    ref_w, ref_r, _ = pair_scores(self.model, batch, self.engine, tight=self.resolved.tight_rows)
+                    mx.eval(ref_w, ref_r)
+                ref.append(mx.stack([ref_w, ref_r]))
+        # [chosen of every batch; rejected of every batch], as pair_objective reads them
+        flat = lambda parts: mx.concatenate(parts, axis=1).reshape(-1)  # noqa: E731
+        loss = PairLoss(self.objective, self.lambdas.value, flat(ref) if ref else None)
+        _, metrics = pair_objective(loss, mx.concatenate(chosen + rejected), flat(counts),
+                                    mx.concatenate(nll) if nll else None)
         mx.eval(metrics)
         return {k: round(v.item(), 6) for k, v in metrics.items()}
 

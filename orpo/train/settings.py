@@ -86,12 +86,31 @@ class FullSettings:
 
 
 @dataclass(frozen=True)
+class ControllerSettings:
+    """train.controller: the λ controller's gains, window, target drift and bounds (lambda_schedule controller)."""
+
+    kp: float
+    ki: float
+    kd: float
+    window: int
+    target_drift: float
+    lambda_min: float
+    lambda_max: float
+
+
+@dataclass(frozen=True)
 class TrainSettings:
     """The `train` section: optimisation, schedule, checkpoints, and the nested lora, engine and distributed."""
 
     method: str
     lr: float
     lambda_: float
+    objective: str
+    beta: float
+    gamma: float
+    dpo_beta: float
+    lambda_schedule: str
+    controller: ControllerSettings
     nll_span: str
     schedule: str
     warmup: float | int

@@ -1,17 +1,17 @@
-"""One ORPO training step, top to bottom: pairs -> rows -> log-probs -> loss -> gradients.
+"""One training step, top to bottom: pairs -> rows -> log-probs -> loss -> gradients.
 
 `prepare` packs a micro-batch's pairs into the engine's rows on the host; `batch_value_and_grad` runs
 them through the model (orpo.engine: our stack forward, the log-prob head, the segmented backward) to
-per-sequence mean log-probs, the ORPO loss over them and the LoRA gradients. The settings
-(train.engine: head x segment_layers x prefix_sharing x width_multiple x compile) compose freely and give
-the same loss and gradients within float tolerance. All naive, no segments, no sharing is the plain path:
-full logits of [chosen; rejected] rows under nn.value_and_grad, the oracle the others are tested against.
+per-sequence mean log-probs, the loss over them (train.objective: orpo.train.objectives) and the LoRA
+gradients. The settings (train.engine: head x segment_layers x prefix_sharing x width_multiple x compile)
+compose freely and give the same loss and gradients within float tolerance. All naive, no segments, no
+sharing is the plain path: full logits of [chosen; rejected] rows under nn.value_and_grad, the oracle the
+others are tested against.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,7 +27,8 @@ from orpo.engine.head import (LMHead, fused_logp_eager, lm_head_of, mean_logps_f
 from orpo.engine.segmented import Params, segmented_value_and_grad
 from orpo.engine.stack import Stack, head_dim_of
 from orpo.train.data import Pairs, pair_batch
-from orpo.train.lora import refuse_mlp_dropout
+from orpo.train.lora import adapters_off, refuse_mlp_dropout
+from orpo.train.objectives import PairLoss, log1mexp, orpo_loss, orpo_terms, pair_loss_of, pair_objective  # noqa: F401
 from orpo.train.rows import PackedPairs, plain_rows, shared_rows
 from orpo.train.settings import EngineSettings
 
@@ -151,138 +152,112 @@ def packed_logps(head: LMHead, hidden: mx.array, packed: PackedPairs, engine: En
     return packed.weights @ packed_token_logps(head, hidden, packed, engine)
 
 
-# --- log-probs -> loss (Hong et al. 2024) ---
-
-_LN_HALF = -math.log(2.0)
+# --- log-probs -> loss (train.objective: orpo.train.objectives) ---
 
 
-def log1mexp(x: mx.array) -> mx.array:
-    """log(1 - exp(x)) for x < 0, stable at both ends (Maechler's two-branch form).
-
-    Each branch gets a clamped input so the branch `where` discards never produces inf/NaN, whose
-    gradient would otherwise poison the one it keeps.
-    """
-    x = mx.minimum(x, -1e-12)
-    near = x > _LN_HALF
-    x_near = mx.where(near, x, _LN_HALF)
-    x_far = mx.where(near, _LN_HALF, x)
-    return mx.where(near, mx.log(-mx.expm1(x_near)), mx.log1p(-mx.exp(x_far)))
-
-
-def orpo_terms(logp_chosen: mx.array, logp_rejected: mx.array) -> tuple[mx.array, mx.array, mx.array]:
-    """Per row: (nll, or_loss, log_odds) from mean response log-probs l_w, l_r.
-
-    log_odds = (l_w - l_r) - (log1mexp(l_w) - log1mexp(l_r)); or_loss = -log sigmoid(log_odds); nll = -l_w.
-    """
-    log_odds = (logp_chosen - logp_rejected) - (log1mexp(logp_chosen) - log1mexp(logp_rejected))
-    or_loss = -nn.log_sigmoid(log_odds)
-    return -logp_chosen, or_loss, log_odds
-
-
-def orpo_loss(logp_chosen: mx.array, logp_rejected: mx.array, lam: float,
-              nll_logp: mx.array | None = None) -> tuple[mx.array, dict[str, mx.array]]:
-    """Batch mean of NLL(chosen) + lambda * L_OR, and the metrics the trainer logs.
-
-    The NLL is -logp_chosen (the paper's L_SFT: the response's mean log-prob), or -nll_logp where given (the
-    chosen sequence's mean log-prob over the span train.nll_span names); the odds ratio always compares responses.
-    """
-    nll, or_loss, log_odds = orpo_terms(logp_chosen, logp_rejected)
-    if nll_logp is not None:
-        nll = -nll_logp
-    loss = (nll + lam * or_loss).mean()
-    metrics = {
-        "loss": loss,
-        "nll": nll.mean(),
-        "or_loss": or_loss.mean(),
-        "log_odds": log_odds.mean(),
-        "logp_chosen": logp_chosen.mean(),
-        "logp_rejected": logp_rejected.mean(),
-        "accuracy": (logp_chosen > logp_rejected).astype(mx.float32).mean(),
-        "margin": (logp_chosen - logp_rejected).mean(),
-    }
-    return loss, metrics
-
-
-def naive_pair_loss(model: nn.Module, tokens: mx.array, mask: mx.array, n: int, lam: float,
+def naive_pair_loss(model: nn.Module, tokens: mx.array, mask: mx.array, n: int, loss: PairLoss | float,
                     nll_mask: mx.array | None = None) -> tuple[mx.array, dict[str, mx.array]]:
-    """ORPO loss and metrics of a [chosen; rejected] batch of n pairs, full logits (the trainer's original loss);
-    `nll_mask` [n, T] the chosen rows' NLL tokens where they are not the response's (prompt_nll_mask)."""
+    """The loss (`loss`: its objective and λ; a number is ORPO's λ) and metrics of a [chosen; rejected] batch of n
+    pairs, full logits (the trainer's original loss); `nll_mask` [n, T] the chosen rows' NLL tokens where they are
+    not the response's (prompt_nll_mask)."""
+    counts = mask[:, 1:].astype(mx.float32).sum(axis=-1)
     if nll_mask is None:
-        logps = response_mean_logps(model, tokens, mask)
-        return orpo_loss(logps[:n], logps[n:], lam)
+        return pair_objective(loss, response_mean_logps(model, tokens, mask), counts)
     logits = model(tokens[:, :-1])
     logps = mean_logps_from_logits(logits, tokens[:, 1:], mask[:, 1:])
     nll_logp = mean_logps_from_logits(logits[:n], tokens[:n, 1:], nll_mask[:, 1:])
-    return orpo_loss(logps[:n], logps[n:], lam, nll_logp)
+    return pair_objective(loss, logps, counts, nll_logp)
 
 
-def packed_loss(logp: mx.array, packed: PackedPairs, n: int, lam: float) -> tuple[mx.array, dict[str, mx.array]]:
-    """ORPO loss and metrics of n pairs from the log-probs of packed.targets."""
-    logps = packed.weights @ logp
+def packed_loss(logp: mx.array, packed: PackedPairs, n: int,
+                loss: PairLoss | float) -> tuple[mx.array, dict[str, mx.array]]:
+    """The loss and metrics of n pairs from the log-probs of packed.targets."""
     nll_logp = None if packed.nll_weights is None else packed.nll_weights @ logp
-    return orpo_loss(logps[:n], logps[n:], lam, nll_logp)
+    counts = (packed.weights > 0).astype(mx.float32).sum(axis=-1)
+    return pair_objective(loss, packed.weights @ logp, counts, nll_logp)
 
 
-def whole_loss(model: nn.Module, packed: PackedPairs, n: int, lam: float,
+def whole_loss(model: nn.Module, packed: PackedPairs, n: int, loss: PairLoss | float,
                e: EngineSettings) -> tuple[mx.array, dict[str, mx.array]]:
-    """ORPO loss and metrics of n pairs' packed rows through the whole stack and the head (one graph)."""
+    """The loss and metrics of n pairs' packed rows through the whole stack and the head (one graph)."""
     hidden = Stack(model).hidden(packed.layout)
-    return packed_loss(packed_token_logps(lm_head_of(model), hidden, packed, e), packed, n, lam)
+    return packed_loss(packed_token_logps(lm_head_of(model), hidden, packed, e), packed, n, loss)
+
+
+def reference_logps(model: nn.Module, batch: MicroBatch, engine: EngineSettings) -> mx.array:
+    """Mean response log-probs [2n] of a micro-batch's sequences with the LoRA adapters off: the reference model
+    (dpo), one forward without gradients through the batch's own rows."""
+    with adapters_off(model):
+        if batch.plain is not None:
+            logps = response_mean_logps(model, *batch.plain)
+        else:
+            packed = batch.packed
+            logps = packed.weights @ packed_token_logps(lm_head_of(model), Stack(model).hidden(packed.layout),
+                                                        packed, engine)
+        logps = mx.stop_gradient(logps)
+        mx.eval(logps)  # while the adapters are off
+    return logps
 
 
 # --- loss -> gradients ---
 
 
-def batch_value_and_grad(model: nn.Module, batch: MicroBatch, lam: float,
+def batch_value_and_grad(model: nn.Module, batch: MicroBatch, loss: PairLoss | float,
                          engine: EngineSettings) -> tuple[tuple[mx.array, dict[str, mx.array]], Any]:
-    """((loss, metrics), grads) of the ORPO loss over a prepared micro-batch; metrics as orpo_loss's plus
-    prefix_fallbacks (the pairs whose prompts differ: no sharing for them).
+    """((loss, metrics), grads) of the objective `loss` names (a number: ORPO's λ) over a prepared micro-batch;
+    metrics as pair_objective's plus prefix_fallbacks (the pairs whose prompts differ: no sharing for them).
 
     grads has the tree structure of model.trainable_parameters(), as nn.value_and_grad gives it.
     """
     e = engine
     n = batch.n
+    loss = pair_loss_of(loss)
+    if loss.objective.needs_reference and loss.ref is None:
+        loss = dataclasses.replace(loss, ref=reference_logps(model, batch, e))
     if batch.plain is not None:
-        (loss, metrics), grads = nn.value_and_grad(model, naive_pair_loss)(model, *batch.plain, n, lam,
-                                                                           batch.plain_nll)
-        return (loss, {**metrics, "prefix_fallbacks": mx.array(0.0)}), grads
+        (value, metrics), grads = nn.value_and_grad(model, naive_pair_loss)(model, *batch.plain, n, loss,
+                                                                            batch.plain_nll)
+        return (value, {**metrics, "prefix_fallbacks": mx.array(0.0)}), grads
     packed = batch.packed
     if e.segment_layers > 0:
-        (loss, metrics), grads = _segmented(model, packed, n, lam, e)
+        (value, metrics), grads = _segmented(model, packed, n, loss, e)
     elif e.compile:
-        (loss, metrics), grads = _compiled_whole(model, packed, n, lam, e)
+        (value, metrics), grads = _compiled_whole(model, packed, n, loss, e)
     else:
-        (loss, metrics), grads = nn.value_and_grad(model, lambda: whole_loss(model, packed, n, lam, e))()
-    return (loss, {**metrics, "prefix_fallbacks": mx.array(float(packed.fallbacks))}), grads
+        (value, metrics), grads = nn.value_and_grad(model, lambda: whole_loss(model, packed, n, loss, e))()
+    return (value, {**metrics, "prefix_fallbacks": mx.array(float(packed.fallbacks))}), grads
 
 
-def pair_value_and_grad(model: nn.Module, pairs: Pairs, lam: float, engine: EngineSettings,
+def pair_value_and_grad(model: nn.Module, pairs: Pairs, loss: PairLoss | float, engine: EngineSettings,
                         nll_span: str = "response") -> tuple[tuple[mx.array, dict[str, mx.array]], Any]:
     """`batch_value_and_grad` of `prepare(pairs)`: the rows built and differentiated in one call."""
-    return batch_value_and_grad(model, prepare(pairs, engine, tight_rows_fit(model), nll_span), lam, engine)
+    return batch_value_and_grad(model, prepare(pairs, engine, tight_rows_fit(model), nll_span), loss, engine)
 
 
-def _compiled_whole(model: nn.Module, packed: PackedPairs, n: int, lam: float,
+def _compiled_whole(model: nn.Module, packed: PackedPairs, n: int, loss: PairLoss,
                     e: EngineSettings) -> tuple[tuple[mx.array, dict[str, mx.array]], Any]:
-    """nn.value_and_grad of `whole_loss` under mx.compile (the model's arrays are its implicit inputs)."""
+    """nn.value_and_grad of `whole_loss` under mx.compile (the model's arrays are its implicit inputs; λ and the
+    reference log-probs are inputs, so a λ that moves each step reuses the trace)."""
     structure, arrays = layout_arrays(packed.layout)
 
     nll = [] if packed.nll_weights is None else [packed.nll_weights]
+    ref = [] if loss.ref is None else [loss.ref]
 
     def build() -> Any:
-        def loss(arrays: dict[str, mx.array], index: mx.array, targets: mx.array, weights: mx.array,
-                 nll: list[mx.array]) -> Any:
+        def value(arrays: dict[str, mx.array], index: mx.array, targets: mx.array, weights: mx.array,
+                  nll: list[mx.array], lam: mx.array, ref: list[mx.array]) -> Any:
             p = PackedPairs(layout_from(structure, arrays), index, targets, weights, 0,
                             nll_weights=nll[0] if nll else None)
-            return whole_loss(model, p, n, lam, e)
+            return whole_loss(model, p, n, PairLoss(loss.objective, lam, ref[0] if ref else None), e)
 
-        return mx.compile(nn.value_and_grad(model, loss), inputs=model.state, outputs=model.state)
+        return mx.compile(nn.value_and_grad(model, value), inputs=model.state, outputs=model.state)
 
-    key = ("whole", e, n, lam, structure, len(nll))
-    return kept(model, key, build)(arrays, packed.index, packed.targets, packed.weights, nll)
+    key = ("whole", e, n, loss.objective, structure, len(nll), len(ref))
+    lam = mx.array(loss.lam, mx.float32)
+    return kept(model, key, build)(arrays, packed.index, packed.targets, packed.weights, nll, lam, ref)
 
 
-def _segmented(model: nn.Module, packed: PackedPairs, n: int, lam: float,
+def _segmented(model: nn.Module, packed: PackedPairs, n: int, loss: PairLoss,
                e: EngineSettings) -> tuple[tuple[mx.array, dict[str, mx.array]], Any]:
     """((loss, metrics), grads) through the segmented backward; a fused head runs eagerly, chunk by chunk.
 
@@ -294,7 +269,7 @@ def _segmented(model: nn.Module, packed: PackedPairs, n: int, lam: float,
         refuse_mlp_dropout(stack.layers)
 
     def loss_of(logp: mx.array) -> tuple[mx.array, dict[str, mx.array]]:
-        return packed_loss(logp, packed, n, lam)
+        return packed_loss(logp, packed, n, loss)
 
     def loss_of_last(h: mx.array) -> tuple[mx.array, dict[str, mx.array]]:
         return loss_of(packed_token_logps(lm_head_of(model), stack.norm(h), packed, e))

@@ -184,7 +184,7 @@ def _train(sess: Session, record: dict[str, Any], rendered_dir: str | Path, out_
                                         f"the last good one is {f'step {kept[-1]}' if kept else 'none (the start)'} "
                                         f"in {work} (lower train.lr, or set train.divergence_ratio: 0 to go on)")
                 sha = save_checkpoint(work, step, sess.model, sess.opt, sess.adapter_config,
-                                      {"epoch_of_step": _epoch_of(sess, step), "seed": s.seed},
+                                      {"epoch_of_step": _epoch_of(sess, step), "seed": s.seed, **sess.loop_state()},
                                       keeps_optimizer(sess.adapter_config, step, sess.total_steps))
                 index["checkpoints"][str(step)] = {"sha256": sha, "validation": v}
                 _update_best(index)
@@ -271,7 +271,7 @@ class Throughput:
 def _follow(sess: Session, work: Path, start: int) -> None:
     """A rank other than 0: from rank 0's resume point, compute every step's shard; write nothing."""
     if start:
-        load_checkpoint(work, start, sess.model, sess.opt)
+        sess.restore(load_checkpoint(work, start, sess.model, sess.opt))
     for step in range(start + 1, sess.total_steps + 1):
         sess.step(step)
     sess.shard.barrier()
@@ -306,7 +306,7 @@ def _prepare_workdir(work: Path, record: dict[str, Any], sess: Session) -> tuple
         steps = [k for k in kept_steps(work) if str(k) in index["checkpoints"]]
         if steps:
             last = steps[-1]
-            load_checkpoint(work, last, sess.model, sess.opt)
+            sess.restore(load_checkpoint(work, last, sess.model, sess.opt))
             _truncate_metrics(work / "metrics.jsonl", last)
             index["checkpoints"] = {k: v for k, v in index["checkpoints"].items() if int(k) <= last}
             write_json(work / "index.json", index)
@@ -353,7 +353,7 @@ def replay(
     earlier = [k for k in kept_steps(run_dir) if k < target] if from_ == "previous" else []
     start = earlier[-1] if earlier else 0
     if start:
-        load_checkpoint(run_dir, start, sess.model, sess.opt)
+        sess.restore(load_checkpoint(run_dir, start, sess.model, sess.opt))
     t0 = time.time()
     for step in range(start + 1, target + 1):
         sess.step(step)

@@ -66,6 +66,7 @@ CODE = {
     "spin": code_version("orpo.spin.core", dists=MLX),
     "report": code_version("orpo.report.plots", "orpo.report.tables", dists=("matplotlib",)),
     "summary": code_version("orpo.report.summary", dists=("matplotlib",)),
+    "objectives": code_version("orpo.report.objectives", dists=("matplotlib",)),
 }
 
 

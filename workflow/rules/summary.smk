@@ -33,3 +33,26 @@ rule summary:
         plots=experiment_targets("plots/training.png"),
     shell:
         "orpo report show {input.table}"
+
+
+# The objectives comparison across every experiment of the config (config/experiments/objectives.yaml):
+# `snakemake results/objectives/table.md` (validation margins, IFEval prompt-strict, margin and λ over steps).
+rule objectives_table:
+    input:
+        ifeval=experiment_targets("ifeval.json"),
+        replay=experiment_targets("train/replay.json"),
+        runs=[marker(L.path(n, "train/run")) for n in L.configs],
+    output:
+        table="results/objectives/table.md",
+        plot="results/objectives/margin_lambda.png",
+    params:
+        experiments=lambda wildcards: settings_file("objectives", {
+            n: {"folder": L.path(n, ""), "adapter": L.config(n)["generate"]["adapter"]} for n in L.configs}),
+        code=CODE["objectives"],
+    log:
+        "logs/objectives.log",
+    benchmark:
+        "benchmarks/objectives.tsv"
+    shell:
+        "orpo report objectives --experiments @{params.experiments} --out {output.table} --plot {output.plot} "
+        "> {log} 2>&1"

@@ -304,8 +304,12 @@ def test_a_full_run_leaves_a_model_folder_and_checkpoints(full_run, bf16_base, s
     assert float(mx.abs(base(ids).astype(mx.float32) - tuned(ids).astype(mx.float32)).max()) > 1e-3
     memory = index["run"]["memory_predicted"]
     assert memory["master_weights"] > 0 and memory["peak"] > memory["weights"] + memory["moments"]
-    # The activations are an estimate: the whole prediction within 2x of the measured peak here.
-    assert 0.5 < memory["peak"] / index["run"]["memory"]["peak_gb"] < 2, (memory, index["run"]["memory"])
+    # The activations are an estimate: the whole prediction within 2x of the measured peak here. The peak counts
+    # every array of this process: what earlier tests left alive is what was resident beyond the run's own state.
+    measured = index["run"]["memory"]
+    own = memory["weights"] + memory["master_weights"] + memory["moments"]
+    left_alive = max(0.0, measured["resident_gb"] - own)
+    assert 0.5 < memory["peak"] / (measured["peak_gb"] - left_alive) < 2, (memory, measured)
 
 
 def test_a_prediction_past_the_device_is_a_warning():

@@ -39,15 +39,17 @@ def test_two_lambdas_compute_upstream_once_and_train_to_ifeval_twice(tmp_path):
 
 
 def test_the_objectives_grid_trains_each_objective_on_one_upstream(tmp_path):
-    """config/experiments/objectives.yaml on the micro config: eight runs from one data, base and render, and the
-    objectives table over them all."""
+    """config/experiments/objectives.yaml on the micro config: a run per experiment from one data, base and render,
+    and the objectives table over them all."""
     (tmp_path / "micro.yaml").write_text(yaml.safe_dump(MICRO))
     grid = yaml.safe_load((ROOT / "config" / "experiments" / "objectives.yaml").read_text())
     (tmp_path / "grid.yaml").write_text(yaml.safe_dump(grid))
     result = snakemake(tmp_path, "-n", "results/objectives/table.md", config=("micro.yaml", "grid.yaml"))
     assert result.returncode == 0, result.stderr[-3000:]
-    assert job_counts(result) == {"data": 1, "base": 1, "curate": 1, "render": 1, "generate_base": 1, "train": 8,
-                                  "replay": 8, "generate_orpo": 8, "ifeval": 8, "objectives_table": 1}
+    n = len(grid["experiments"])
+    assert n >= 8 and job_counts(result) == {"data": 1, "base": 1, "curate": 1, "render": 1, "generate_base": 1,
+                                             "train": n, "replay": n, "generate_orpo": n, "ifeval": n,
+                                             "objectives_table": 1}
     objectives = {e["train"].get("objective") for e in grid["experiments"].values()}
     assert objectives == {"orpo", "orpo_margin", "simpo", "dpo"}
 

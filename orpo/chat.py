@@ -9,6 +9,7 @@ input is one user turn per line.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from dataclasses import dataclass, field
@@ -16,9 +17,10 @@ from pathlib import Path
 from typing import Any, Iterator, TextIO
 
 from orpo.config import section_defaults
-from orpo.experiments import prompt_rendering
+from orpo.render.settings import PromptSettings, prompt_settings
 
 GENERATE_DEFAULTS = section_defaults("generate")
+PROMPT_KEYS = tuple(f.name for f in dataclasses.fields(PromptSettings))  # what a render manifest gives a chat
 
 
 class ChatError(ValueError):
@@ -31,7 +33,7 @@ class Target:
 
     model: str
     adapter: str | None
-    render: dict[str, Any]
+    render: PromptSettings
     dtype: str
     origin: list[str] = field(default_factory=list)  # where each part came from, said when the chat starts
 
@@ -55,21 +57,15 @@ def _read_json(path: Path, what: str) -> dict[str, Any]:
         raise ChatError(f"{path}: cannot read {what}: {e}") from None
 
 
-def rendering_of(render: dict[str, Any]) -> dict[str, Any]:
-    """The render settings that shape a prompt's text, the schema's defaults under the given ones."""
-    return prompt_rendering({"render": {**section_defaults("render"), **render}})
-
-
 def target(run: str | Path | None = None, model: str | None = None, checkpoint: str | int = "final",
-           base: bool = False, dtype: str | None = None, render: dict[str, Any] | None = None) -> Target:
+           base: bool = False, dtype: str | None = None, render: PromptSettings | None = None) -> Target:
     """Resolve what to chat with. With `run`: its base model (unless `model` is given), its adapter at
     `checkpoint` (none with `base`), its render settings and the dtype it trained in; `render`/`dtype` override."""
     if run is None:
         if model is None:
             raise ChatError("chat: give --run RUN_FOLDER (a trained run) or --model MODEL (a base model)")
-        rendering = rendering_of({})
         given = " + --render-settings" if render else ""
-        return Target(model, None, {**rendering, **(render or {})}, dtype or "auto",
+        return Target(model, None, render or prompt_settings(None), dtype or "auto",
                       [f"model {model}", f"render settings: the schema's defaults{given}"])
     run = Path(run)
     record = _read_json(run / "settings.json", "the run's record; is this a training run folder?")
@@ -79,7 +75,8 @@ def target(run: str | Path | None = None, model: str | None = None, checkpoint: 
     rendered = Path(record.get("rendered") or "")
     manifest = _read_json(rendered / "manifest.json", f"the render manifest of the data {run} trained on (run from "
                           "the folder the run was made in, or pass --render-settings)") if not render else {}
-    rendering = render or rendering_of(manifest.get("settings", {}))
+    recorded = manifest.get("settings", {})
+    rendering = render or prompt_settings({k: recorded[k] for k in PROMPT_KEYS if k in recorded})
     trained = (record.get("precision") or {}).get("dtype", "auto")
     adapter = None if base else str(run_adapter(run, checkpoint))
     origin = [f"model {base_model}" + (" (the run's base)" if not model else ""),

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from orpo.blas import reexec_with_openblas
-from orpo.config import SPIN_DAG_KEYS
+from orpo.config import RENDER_STAGE_KEYS, SPIN_DAG_KEYS
 
 
 def _settings(text: str) -> dict[str, Any]:
@@ -36,32 +36,38 @@ def _settings(text: str) -> dict[str, Any]:
 
 # What each command's JSON arguments hold: (argument attribute, option, schema section, keys left out).
 # They are exactly what the workflow's rules pass (workflow/rules/*.smk): a config section, spin's less
-# the keys that shape the DAG (common.smk's spin_settings), render's prompt keys for --render-settings.
+# the keys that shape the DAG (common.smk's spin_settings), render's prompt keys for --render-settings
+# (the section less the keys only the render stage reads).
 CHECKED = {
     "data": [("settings", "--settings", "data", ())],
     "curate": [("settings", "--settings", "curate", ())],
     "base": [("settings", "--settings", "base", ())],
     "render": [("settings", "--settings", "render", ())],
     "train": [("settings", "--settings", "train", ())],
-    "generate": [("settings", "--settings", "generate", ()), ("render_settings", "--render-settings", "render", ())],
+    "generate": [("settings", "--settings", "generate", ()),
+                 ("render_settings", "--render-settings", "render", RENDER_STAGE_KEYS)],
     "spin": [("settings", "--settings", "spin", SPIN_DAG_KEYS),
-             ("render_settings", "--render-settings", "render", ())],
+             ("render_settings", "--render-settings", "render", RENDER_STAGE_KEYS)],
     "judge run": [("settings", "--settings", "judge", ())],
     "report paper-table": [("spec", "--spec", "paper", ())],
     "report paper-judge": [("spec", "--spec", "paper", ())],
 }
 
 
-# The sections whose stage reads typed settings: the class `check_settings` builds from the checked mapping.
+# The sections whose stage reads typed settings: the class `check_settings` builds from the checked mapping;
+# a section checked less some keys may have a class of its own (generation's part of render).
 TYPED = {"train": "orpo.train.settings:TrainSettings", "curate": "orpo.curate.settings:CurateSettings",
          "base": "orpo.base.model:BaseSettings", "generate": "orpo.eval.generate:GenerateSettings",
-         "spin": "orpo.spin.settings:SpinSettings", "judge": "orpo.eval.judge.settings:JudgeSettings"}
+         "spin": "orpo.spin.settings:SpinSettings", "judge": "orpo.eval.judge.settings:JudgeSettings",
+         "render": "orpo.render.settings:RenderSettings",
+         ("render", RENDER_STAGE_KEYS): "orpo.render.settings:PromptSettings"}
 
 
-def _typed(section: str) -> type | None:
-    if section not in TYPED:
+def _typed(section: str, drop: tuple[str, ...]) -> type | None:
+    path = TYPED.get((section, drop)) or TYPED.get(section)
+    if path is None:
         return None
-    module, name = TYPED[section].split(":")
+    module, name = path.split(":")
     return getattr(importlib.import_module(module), name)
 
 
@@ -76,7 +82,7 @@ def check_settings(args: argparse.Namespace) -> None:
 
     command = " ".join(filter(None, [args.stage, getattr(args, "action", None)]))
     for attr, option, section, drop in CHECKED.get(command, []):
-        cls = _typed(section)
+        cls = _typed(section, drop)
         value = getattr(args, attr)
         setattr(args, attr, build(cls, section, value, drop, option) if cls else
                 validate_settings(section, value, drop=drop, what=option))
@@ -170,10 +176,13 @@ def cmd_generate(a: argparse.Namespace) -> Any:
 def cmd_chat(a: argparse.Namespace) -> Any:
     from orpo.chat import Chat, answer, interactive, piped, target
     from orpo.config import validate_settings
+    from orpo.render.settings import RenderSettings
+    from orpo.settings import build
 
     settings = validate_settings("generate", a.settings)
-    render = validate_settings("render", a.render_settings, what="--render-settings")
-    t = target(a.run, a.model, a.checkpoint, a.base, a.dtype, render or None)
+    # The whole section or its prompt keys, as a render manifest or a config file holds them.
+    render = build(RenderSettings, "render", a.render_settings, what="--render-settings").prompt
+    t = target(a.run, a.model, a.checkpoint, a.base, a.dtype, render if a.render_settings else None)
     print("chat: " + "; ".join(t.origin), file=sys.stderr)
     chat = Chat(t, settings, a.system)
     if a.prompt is not None:

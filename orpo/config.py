@@ -20,6 +20,8 @@ from orpo.rows import data_files
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 # Keys of config.spin that shape the DAG (how many iterations, what they start from), not the spin stage.
 SPIN_DAG_KEYS = ("iterations", "sft", "adapter")
+# Keys of config.render only the render stage reads (lengths, samples); the others shape a prompt's text.
+RENDER_STAGE_KEYS = ("max_length", "max_prompt_length", "over_length", "samples")
 SCHEMA_PATH = Path(__file__).resolve().parent / "config.schema.yaml"  # package data: works installed, not only editable
 EMBEDDED_EVAL_PROMPTS = PROJECT_ROOT / "data" / "eval" / "ifeval_prompts.jsonl"
 

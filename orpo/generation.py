@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, TextIO
@@ -20,20 +21,9 @@ from tokenizers import Tokenizer
 from tqdm import tqdm
 
 from orpo import progress
-from orpo.config import section_defaults
 from orpo.precision import Precision, load_model
-from orpo.render.template import (
-    ChatTemplate,
-    encode_generation_prompt,
-    leading_ids,
-    load_template,
-    load_tokenizer,
-    pin_date,
-    resolve_model_dir,
-    with_leading,
-)
-
-RENDER_DEFAULTS = section_defaults("render")
+from orpo.render.settings import PromptSettings, RenderSettings, prompt_settings, resolve_prompting
+from orpo.render.template import ChatTemplate, encode_generation_prompt, resolve_model_dir, with_leading
 
 
 @dataclass
@@ -103,16 +93,17 @@ def trained_model_folder(adapter: str | Path | None) -> Path | None:
 
 
 def load_generator(
-    model: str | Path, adapter: str | Path | None = None, render: dict[str, Any] | None = None,
-    dtype: str = "auto",
+    model: str | Path, adapter: str | Path | None = None,
+    render: PromptSettings | RenderSettings | Mapping[str, Any] | None = None, dtype: str = "auto",
 ) -> Generator:
     """Load a model folder or hub id in `dtype` (model.dtype), optionally with a LoRA adapter folder, for generation.
 
     An `adapter` that is a full-parameter run (or one of its checkpoints) stands for its trained model folder,
-    which replaces `model`. `render` is the render stage's settings: its template override, template variables,
-    date and add_bos apply here too, so generation prompts are rendered exactly as training prompts were.
+    which replaces `model`. `render` is the render stage's settings (`orpo.render.settings.prompt_settings`):
+    its template override, template variables, date and add_bos apply here too, so generation prompts are
+    rendered exactly as training prompts were.
     """
-    render = render or {}
+    s = prompt_settings(render)
     trained = trained_model_folder(adapter)
     if trained is not None:
         model, adapter = trained, None
@@ -123,12 +114,9 @@ def load_generator(
         net = load_adapters(net, str(adapter))
         net.eval()
     wrapper = load_wrapper(model_dir, eos_token_ids=config.get("eos_token_id", None))
-    chat = pin_date(load_template(model_dir, render.get("template")), render.get("date", RENDER_DEFAULTS["date"]))
+    p = resolve_prompting(model_dir, s)
     context, source = context_length(model_dir) or (None, None)
-    tokenizer = load_tokenizer(model_dir)
-    lead = leading_ids(tokenizer, chat, render.get("add_bos", RENDER_DEFAULTS["add_bos"]))
-    return Generator(net, wrapper, chat, tokenizer, dict(render.get("template_kwargs") or {}), context, source,
-                     tuple(lead), precision)
+    return Generator(net, wrapper, p.template, p.tokenizer, p.template_kwargs, context, source, p.lead, precision)
 
 
 def truncate_at_stop(text: str, stops: list[str]) -> str:

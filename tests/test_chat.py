@@ -20,6 +20,7 @@ from mlx_lm.tuner.lora import LoRALinear as MlxLoRALinear
 from orpo.chat import Chat, ChatError, target
 from orpo.cli import main
 from orpo.eval.generate import generate
+from orpo.settings import as_dict
 
 from conftest import ROOT, shortest_pairs
 
@@ -98,8 +99,8 @@ def test_the_render_record_sets_the_template_and_date(run, tmp_path, capsys):
     shutil.copytree(run, copy)
     (copy / "settings.json").write_text(json.dumps({**record, "rendered": str(rendered)}))
     t = target(copy)
-    assert t.render == {"template": llama3, "date": "2031-03-05", "template_kwargs": {"bos_token": ""},
-                        "add_bos": manifest["settings"]["add_bos"]}
+    assert as_dict(t.render) == {"template": llama3, "date": "2031-03-05", "template_kwargs": {"bos_token": ""},
+                                 "add_bos": manifest["settings"]["add_bos"]}
     # The tiny model's 96 positions hold no reply after llama3's header (its BPE spells the special tokens out).
     with pytest.raises(SystemExit):
         main(["chat", "--run", str(copy), "--prompt", "hi", "--show-prompt", "--settings", json.dumps(GEN)])

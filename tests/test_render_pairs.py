@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
+from datetime import datetime
 from pathlib import Path
 
 import polars as pl
@@ -19,8 +20,8 @@ from orpo.render.pairs import (
     Response,
     fit_length,
     render_pairs,
-    resolve_settings,
 )
+from orpo.render.settings import resolve_settings
 from orpo.render.template import (
     ChatTemplate,
     ChatTemplateError,
@@ -99,7 +100,8 @@ def test_render_pairs_end_to_end(tmp_path: Path) -> None:
     assert manifest["settings"] == {"max_length": 1024, "max_prompt_length": 512, "template": None, "samples": 2,
                                     "template_kwargs": {}, "date": "2024-07-26", "over_length": "drop",
                                     "add_bos": "auto"}
-    assert manifest["leading_ids"] == [] and manifest["truncated_responses"]["count"] == 0  # ChatML adds no BOS
+    assert manifest["resolved"] == {"leading_ids": [], "date": None}  # ChatML adds no BOS, prints no date
+    assert manifest["truncated_responses"]["count"] == 0
     assert manifest["template"]["sha256"] == hashlib.sha256(
         (model / "chat_template.jinja").read_bytes()).hexdigest()
     assert json.loads((out / "manifest.json").read_text()) == manifest
@@ -369,10 +371,10 @@ def test_bad_input_and_settings(tmp_path: Path) -> None:
     write_curated(curated, [row("empty-prompt", [], "x", "y")])
     with pytest.raises(InputError, match="empty-prompt"):
         render_pairs(model, curated, tmp_path / "o", {})
-    with pytest.raises(ValueError, match="unknown keys \\['max_len'\\]"):
+    with pytest.raises(ValueError, match=r"unknown key render.max_len \(allowed here: "):
         resolve_settings({"max_len": 3})
-    with pytest.raises(ValueError, match="max_prompt_length"):
-        resolve_settings({"max_prompt_length": "512"})
+    with pytest.raises(ValueError, match="render.max_prompt_length: 'many' is not of type 'integer'"):
+        resolve_settings({"max_prompt_length": "many"})
 
 
 def test_override_template_setting_and_vocab_check(tmp_path: Path) -> None:
@@ -432,13 +434,17 @@ def test_strftime_template_prints_the_pinned_date_and_warns_only_when_unpinned(t
     assert "orpo render: note: the template calls strftime_now" in capsys.readouterr().err
     other = render_pairs(model, curated, tmp_path / "o", {"date": "2031-03-05"})
     assert other["template"]["date"] == "2031-03-05" and "Today Date: 05 Mar 2031" in (tmp_path / "o" / "samples.txt").read_text()
+    assert pinned["resolved"]["date"] == "2024-07-26" and other["resolved"]["date"] == "2031-03-05"
+    before = f"{datetime.now():%Y-%m-%d}"
     live = render_pairs(model, curated, tmp_path / "o", {"date": None})
     assert live["template"]["date"] is None and "render.date is null" in live["warnings"][0]
+    assert live["resolved"]["date"] in (before, f"{datetime.now():%Y-%m-%d}")  # today's, read once
     assert "orpo render: warning: the template calls strftime_now and render.date is null" in capsys.readouterr().err
     # A template variable that sets the date itself leaves nothing to pin or warn about.
     own = render_pairs(model, curated, tmp_path / "o", {"date": None, "template_kwargs": DATE})
     assert own["warnings"] == [] and own["notes"] == [] and own["template"]["date"] is None
-    with pytest.raises(ValueError, match="date must be YYYY-MM-DD"):
+    assert own["resolved"]["date"] is None
+    with pytest.raises(ValueError, match="render.date: '26 Jul 2024' does not match"):
         render_pairs(model, curated, tmp_path / "o", {"date": "26 Jul 2024"})
 
 
@@ -496,7 +502,7 @@ def test_bos_is_added_as_the_post_processor_would_unless_the_template_wrote_it(t
         tpl, tok = load_template(model), load_tokenizer(model)
         bos = tok.token_to_id("<s>")
         manifest = render_pairs(model, write_curated(tmp_path / f"c-{name}", rows), tmp_path / f"o-{name}", {})
-        assert manifest["settings"]["add_bos"] == "auto" and manifest["leading_ids"] == [bos]
+        assert manifest["settings"]["add_bos"] == "auto" and manifest["resolved"]["leading_ids"] == [bos]
         for src, got in zip(rows, read(tmp_path / f"o-{name}")):
             for side in ("chosen", "rejected"):
                 full = tpl.render(src["prompt"] + [{"role": "assistant", "content": src[side]}])
@@ -523,13 +529,13 @@ def test_add_bos_without_a_post_processor(tmp_path: Path) -> None:
     curated = write_curated(tmp_path / "c", ROWS[:1])
     auto = render_pairs(model, curated, tmp_path / "auto", {})
     forced = render_pairs(model, curated, tmp_path / "true", {"add_bos": True})
-    assert auto["leading_ids"] == [] and forced["leading_ids"] == [tok.token_to_id("<s>")]
+    assert auto["resolved"]["leading_ids"] == [] and forced["resolved"]["leading_ids"] == [tok.token_to_id("<s>")]
     a, t = read(tmp_path / "auto")[0], read(tmp_path / "true")[0]
     assert t["prompt_ids"] == [tok.token_to_id("<s>")] + a["prompt_ids"] and t["chosen_ids"] == a["chosen_ids"]
     chatml = builders.family_model(tmp_path / "chatml", "chatml")  # names no BOS token
     with pytest.raises(ChatTemplateError, match="add_bos is true.*no BOS token"):
         render_pairs(chatml, curated, tmp_path / "x", {"add_bos": True})
-    with pytest.raises(ValueError, match="add_bos must be auto, true or false"):
+    with pytest.raises(ValueError, match=r"render.add_bos: 'yes' is not one of \['auto', True, False\]"):
         resolve_settings({"add_bos": "yes"})
 
 
@@ -587,7 +593,7 @@ def test_truncate_is_the_authors_filter_and_right_truncation(tmp_path: Path) -> 
                         {**settings, "over_length": "drop"})
     assert drop["truncated_responses"]["count"] == 0 and drop["truncated_prompts"]["examples"] == ["long-prompt"]
     assert set(drop["dropped"]) == {"response_too_long"}
-    with pytest.raises(ValueError, match="over_length must be one of drop, truncate"):
+    with pytest.raises(ValueError, match=r"render.over_length: 'cut' is not one of \['drop', 'truncate'\]"):
         resolve_settings({"over_length": "cut"})
 
 

@@ -7,19 +7,21 @@ import dataclasses
 import pytest
 
 from orpo.base.model import BaseSettings
-from orpo.config import SPIN_DAG_KEYS, ConfigError, load_schema, section_defaults
+from orpo.config import RENDER_STAGE_KEYS, SPIN_DAG_KEYS, ConfigError, load_schema, section_defaults
 from orpo.curate.settings import CurateSettings
 from orpo.eval.generate import GenerateSettings
 from orpo.eval.judge.settings import JudgeSettings
+from orpo.render.settings import PromptSettings, RenderSettings
 from orpo.settings import as_dict, build, field_keys, schema_keys, typed
 from orpo.spin.settings import SpinSettings
 from orpo.train.settings import TrainSettings
 
 STAGES = [(TrainSettings, "train", ()), (CurateSettings, "curate", ()), (BaseSettings, "base", ()),
-          (GenerateSettings, "generate", ()), (SpinSettings, "spin", SPIN_DAG_KEYS), (JudgeSettings, "judge", ())]
+          (GenerateSettings, "generate", ()), (SpinSettings, "spin", SPIN_DAG_KEYS), (JudgeSettings, "judge", ()),
+          (RenderSettings, "render", ()), (PromptSettings, "render", RENDER_STAGE_KEYS)]
 
 
-@pytest.mark.parametrize(("cls", "section", "drop"), STAGES, ids=[s for _, s, _ in STAGES])
+@pytest.mark.parametrize(("cls", "section", "drop"), STAGES, ids=[c.__name__ for c, _, _ in STAGES])
 def test_each_stage_dataclass_is_its_schema_section(cls, section, drop):
     assert field_keys(cls) == schema_keys(section, drop)
     assert all(f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING

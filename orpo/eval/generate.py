@@ -10,6 +10,7 @@ from typing import Any
 
 from orpo.generation import generate_counted, load_generator
 from orpo.io import InputError, read_jsonl, write_jsonl
+from orpo.render.settings import PromptSettings, RenderSettings, prompt_settings
 from orpo.settings import as_dict, typed
 
 
@@ -69,7 +70,8 @@ def _named(key: Any, lineno: int, tokens: int, budget: int | None = None) -> str
 
 def generate(
     model: str | Path, prompts_path: str | Path, out_path: str | Path, settings: GenerateSettings | Mapping[str, Any],
-    adapter: str | Path | None = None, label: str = "model", render: dict[str, Any] | None = None,
+    adapter: str | Path | None = None, label: str = "model",
+    render: PromptSettings | RenderSettings | Mapping[str, Any] | None = None,
     limit: int = 0, dtype: str = "auto",
 ) -> dict[str, Any]:
     """Generate one response per prompt and write jsonl rows (IFEval's `prompt`, `response` plus provenance),
@@ -80,7 +82,7 @@ def generate(
     prompt that leaves less room than `max_tokens` generates what fits. Both are counted in the returned
     stats and named in a warning on stderr; when no prompt fits, nothing is written and the stage fails.
     """
-    s = typed(GenerateSettings, "generate", settings)
+    s, render = typed(GenerateSettings, "generate", settings), prompt_settings(render)
     name = f"generate[{label}]"
     located = read_prompt_lines(prompts_path, limit)
     gen = load_generator(model, adapter, render, dtype)

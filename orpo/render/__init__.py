@@ -1,6 +1,14 @@
 """The render stage: chat-template rendering and tokenization that match Hugging Face transformers."""
 
-from orpo.render.pairs import DEFAULTS, EncodedPair, PairEncoder, Response, fit_length, render_pairs, resolve_settings
+from orpo.render.pairs import EncodedPair, PairEncoder, Response, fit_length, render_pairs
+from orpo.render.settings import (
+    Prompting,
+    PromptSettings,
+    RenderSettings,
+    prompt_settings,
+    resolve_prompting,
+    resolve_settings,
+)
 from orpo.render.template import (
     ChatTemplate,
     ChatTemplateError,
@@ -17,8 +25,8 @@ from orpo.render.template import (
 )
 
 __all__ = [
-    "DEFAULTS", "ChatTemplate", "ChatTemplateError", "EncodedPair", "ModelSourceError", "PairEncoder", "Response",
-    "TemplateRaised", "encode", "encode_generation_prompt", "find_templates", "fit_length", "load_template",
-    "load_tokenizer", "render_generation_prompt", "render_pairs", "resolve_model_dir", "resolve_settings",
-    "special_tokens_from_config",
+    "ChatTemplate", "ChatTemplateError", "EncodedPair", "ModelSourceError", "PairEncoder", "PromptSettings",
+    "Prompting", "RenderSettings", "Response", "TemplateRaised", "encode", "encode_generation_prompt",
+    "find_templates", "fit_length", "load_template", "load_tokenizer", "prompt_settings", "render_generation_prompt",
+    "render_pairs", "resolve_model_dir", "resolve_prompting", "resolve_settings", "special_tokens_from_config",
 ]

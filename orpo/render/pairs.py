@@ -32,35 +32,29 @@ import json
 import os
 import re
 import sys
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 import polars as pl
 from tokenizers import Tokenizer
 
-from orpo.config import section_defaults
 from orpo.folders import mark_complete
 from orpo.io import InputError, atomic_path, sha256_file, write_json, write_text
+from orpo.render.settings import RenderSettings, resolve_prompting, resolve_settings
 from orpo.render.template import (
     ChatTemplate,
     ChatTemplateError,
     calls_strftime_now,
     encode,
-    load_template,
     leading_ids,
-    load_tokenizer,
-    pin_date,
     resolve_model_dir,
     with_leading,
 )
+from orpo.settings import as_dict
 
-DEFAULTS: dict[str, Any] = section_defaults("render")
 SPLITS = ("train", "validation")
-OVER_LENGTH = ("drop", "truncate")
-ADD_BOS = ("auto", True, False)
 # Stands in for the response to find where the template puts content; private-use characters, no whitespace,
 # so no template trims or splits it.
 SENTINEL = "\U000f5e00orpo\U000f5e01"
@@ -115,8 +109,9 @@ class _Rendered:
 class PairEncoder:
     """Renders and tokenizes preference rows with one template and tokenizer."""
 
-    def __init__(self, template: ChatTemplate, tokenizer: Tokenizer, template_kwargs: dict | None = None,
-                 add_bos: str | bool = "auto"):
+    def __init__(self, template: ChatTemplate, tokenizer: Tokenizer, template_kwargs: Mapping[str, Any] | None = None,
+                 lead: Sequence[int] | None = None):
+        """`lead`: the ids every prompt starts with (Prompting.lead); None: the tokenizer's own (add_bos auto)."""
         self.template, self.tokenizer = template, tokenizer
         self.kwargs = dict(template_kwargs or {})
         # Control tokens: special added tokens, the named special tokens, and (transformers' heuristic for
@@ -128,7 +123,7 @@ class PairEncoder:
         self._special_re = re.compile("|".join(map(re.escape, self.special_strings)) or "(?!)")
         bos = template.special_tokens.get("bos_token")
         self.bos_id = tokenizer.token_to_id(bos) if bos else None
-        self.lead = leading_ids(tokenizer, template, add_bos)
+        self.lead = list(leading_ids(tokenizer, template, "auto") if lead is None else lead)
         if len(self.lead) == 1:  # what left-truncation keeps first
             self.bos_id = self.lead[0]
         self._newline_ids = encode(tokenizer, "\n")
@@ -332,34 +327,6 @@ class _Tally:
         return sum(v["count"] for v in self.counts.values())
 
 
-def resolve_settings(settings: dict | None) -> dict:
-    """Fill defaults and check types; unknown keys are an error (a typo would silently do nothing)."""
-    settings = dict(settings or {})
-    unknown = sorted(set(settings) - set(DEFAULTS))
-    if unknown:
-        raise ValueError(f"render settings: unknown keys {unknown}; known: {sorted(DEFAULTS)}")
-    # A null template means the model's own; a null date means today's: both are values, not "unset".
-    out = {**DEFAULTS, **{k: v for k, v in settings.items() if v is not None or k in ("template", "date")}}
-    for key, low in (("max_length", 2), ("max_prompt_length", 1), ("samples", 0)):
-        if not isinstance(out[key], int) or isinstance(out[key], bool) or out[key] < low:
-            raise ValueError(f"render settings: {key} must be an integer >= {low}, got {out[key]!r}")
-    if out["over_length"] not in OVER_LENGTH:
-        raise ValueError(f"render settings: over_length must be one of {', '.join(OVER_LENGTH)}, "
-                         f"got {out['over_length']!r}")
-    if out["add_bos"] not in ADD_BOS or not isinstance(out["add_bos"], (str, bool)):  # 1 == True: not a setting
-        raise ValueError(f"render settings: add_bos must be auto, true or false, got {out['add_bos']!r}")
-    if out["template"] is not None and not isinstance(out["template"], (str, os.PathLike)):
-        raise ValueError(f"render settings: template must be null or a path, got {out['template']!r}")
-    if not isinstance(out["template_kwargs"], dict):
-        raise ValueError("render settings: template_kwargs must be a mapping")
-    if out["template"] is not None:
-        out["template"] = str(out["template"])
-    if hasattr(out["date"], "isoformat"):  # YAML reads an unquoted 2024-07-26 as a date
-        out["date"] = out["date"].isoformat()
-    out["template_kwargs"] = dict(out["template_kwargs"])
-    return out
-
-
 def _read_split(path: Path) -> list[tuple[str, list[dict], str, str]]:
     if not path.exists():
         raise InputError(path, None, None, "missing (the curate stage writes train.parquet and validation.parquet)")
@@ -418,9 +385,9 @@ def _sample(pair: EncodedPair, tokenizer: Tokenizer, index: int) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _drop_reason(pair: EncodedPair, cfg: dict, bos_id: int | None) -> str | None:
+def _drop_reason(pair: EncodedPair, s: RenderSettings, bos_id: int | None) -> str | None:
     """Fit the row to the length limits; the reason it can't be used, if any."""
-    reason = fit_length(pair, cfg["max_length"], cfg["max_prompt_length"], bos_id, cfg["over_length"])
+    reason = fit_length(pair, s.max_length, s.max_prompt_length, bos_id, s.over_length)
     if reason is None and not pair.prompt_ids:
         reason = "empty_prompt"  # the template rendered nothing before the response
     if reason is None and not (any(pair.chosen.mask) and any(pair.rejected.mask)):
@@ -448,21 +415,18 @@ def _write_split(path: Path, pairs: list[EncodedPair]) -> None:
 
 
 def render_pairs(model_dir: str | os.PathLike, curated_dir: str | os.PathLike, out_dir: str | os.PathLike,
-                 settings: dict | None = None) -> dict:
+                 settings: RenderSettings | Mapping[str, Any] | None = None) -> dict:
     """Render curated preference pairs into token ids and score masks; write the rendered artifact.
 
     Writes `train.parquet`, `validation.parquet`, `samples.txt`, `manifest.json` under `out_dir` and
-    returns the manifest. Settings: max_length (1024), max_prompt_length (512), template (None: the model's
-    own; else a .jinja override path), samples (5), template_kwargs ({}: extra template variables, e.g.
-    {"date_string": "26 Jul 2024"} or {"enable_thinking": false}), date ("2024-07-26": what strftime_now
-    returns; None = today), over_length ("drop" or "truncate", `fit_length`), add_bos ("auto", True, False:
-    `orpo.render.template.leading_ids`).
+    returns the manifest. `settings`: the render section (RenderSettings, or a mapping built as the command line
+    builds it); the manifest records them as given and, under `resolved`, what add_bos and date were decided to.
     """
-    cfg = resolve_settings(settings)
+    s = resolve_settings(settings)
     model_path = resolve_model_dir(model_dir)
-    template = pin_date(load_template(model_path, cfg["template"]), cfg["date"])
-    tokenizer = load_tokenizer(model_path)
-    encoder = PairEncoder(template, tokenizer, cfg["template_kwargs"], cfg["add_bos"])
+    prompting = resolve_prompting(model_path, s.prompt)
+    template, tokenizer = prompting.template, prompting.tokenizer
+    encoder = PairEncoder(template, tokenizer, prompting.template_kwargs, prompting.lead)
     vocab_size = _vocab_size(model_path)
     curated, out = Path(curated_dir), Path(out_dir)
 
@@ -475,7 +439,7 @@ def render_pairs(model_dir: str | os.PathLike, curated_dir: str | os.PathLike, o
         split_dropped, kept = _Tally(), []
         for start in range(0, len(rows), CHUNK):
             for pair in encoder.encode_many(rows[start: start + CHUNK]):
-                reason = _drop_reason(pair, cfg, encoder.bos_id)
+                reason = _drop_reason(pair, s, encoder.bos_id)
                 if reason is not None:
                     dropped.add(reason, pair.id)
                     split_dropped.add(reason, pair.id)
@@ -504,13 +468,13 @@ def render_pairs(model_dir: str | os.PathLike, curated_dir: str | os.PathLike, o
 
     input_rows = sum(s["input_rows"] for s in splits.values())
     warnings, notes = [], []
-    dated = calls_strftime_now(template) and "date_string" not in cfg["template_kwargs"]
-    if dated and cfg["date"] is None:
+    dated = prompting.date is not None
+    if dated and s.date is None:
         warnings.append(f"the template calls strftime_now and render.date is null: rendered text holds today's "
-                        f"date ({datetime.now():%Y-%m-%d}), so this render changes with the day; set render.date "
+                        f"date ({prompting.date}), so this render changes with the day; set render.date "
                         "(YYYY-MM-DD) to pin it")
     elif dated:
-        notes.append(f"the template calls strftime_now: it prints render.date {cfg['date']}, not today's date")
+        notes.append(f"the template calls strftime_now: it prints render.date {s.date}, not today's date")
     if stats.get("content_not_located")["count"]:
         warnings.append(f"{stats.get('content_not_located')['count']} pairs' response text was not found in the "
                         "template's rendering (does the template write the assistant's content?)")
@@ -531,19 +495,19 @@ def render_pairs(model_dir: str | os.PathLike, curated_dir: str | os.PathLike, o
         "splits": splits,
         **{k: stats.get(k) for k in ("seam_merges", "prompt_prefix_mismatch", "truncated_prompts",
                                      "truncated_responses", "content_not_located", "no_end_of_turn")},
-        "leading_ids": encoder.lead,
         "tokens": {k: {"max": max(v, default=0), "mean": round(sum(v) / len(v), 2) if v else 0}
                    for k, v in lengths.items()},
         "template": {"source": template.source, "sha256": template.sha256,
-                     "date": cfg["date"] if dated else None, "calls_strftime_now": calls_strftime_now(template)},
+                     "date": s.date if dated else None, "calls_strftime_now": calls_strftime_now(template)},
         "tokenizer": {"sha256": sha256_file(model_path / "tokenizer.json"), "vocab_size": vocab_size},
         "model": str(model_dir),
-        "settings": cfg,
+        "settings": as_dict(s),
+        "resolved": prompting.record(),
         "warnings": warnings,
         "notes": notes,
     }
     assert manifest["input_rows"] == manifest["output_rows"] + dropped.total()
-    picked = (outputs["train"] + outputs["validation"])[: cfg["samples"]]
+    picked = (outputs["train"] + outputs["validation"])[: s.samples]
     header = (f"# {len(picked)} rendered rows. ⟦SEAM⟧ = where the prompt ends; «» = scored tokens "
               f"(mask 1); token strings marked * are scored.\n# template: {template.source}\n\n")
     with atomic_path(out) as tmp:  # the folder whole or not at all (orpo.folders)

@@ -381,10 +381,8 @@ class ChatTemplate:
             raise ChatTemplateError(self.source, f"{type(e).__name__}: {e}") from e
 
 
-def pin_date(template: ChatTemplate, date: str | None) -> ChatTemplate:
-    """`template` with strftime_now reading `date` (YYYY-MM-DD, midnight) instead of the clock; None: unchanged."""
-    if date is None:
-        return template
+def pin_date(template: ChatTemplate, date: str) -> ChatTemplate:
+    """`template` with strftime_now reading `date` (YYYY-MM-DD, midnight) instead of the clock."""
     try:
         fixed = datetime.strptime(date, "%Y-%m-%d")
     except (TypeError, ValueError):

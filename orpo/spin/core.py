@@ -20,6 +20,7 @@ from orpo.curate.tokens import TokenCounter
 from orpo.curate.write import split, write_pairs
 from orpo.generation import Generator, generate_batched, load_generator
 from orpo.io import sha256_file
+from orpo.render.settings import PromptSettings, RenderSettings, prompt_settings
 from orpo.render.template import resolve_model_dir
 from orpo.spin.drops import Drops
 from orpo.spin.schema import FORMS, parse_sft
@@ -90,7 +91,7 @@ def spin_pairs(
     out_dir: str | Path,
     settings: SpinSettings | Mapping[str, Any] | None,
     iteration: int,
-    render: Mapping[str, Any] | None = None,
+    render: PromptSettings | RenderSettings | Mapping[str, Any] | None = None,
     dtype: str = "auto",
 ) -> dict:
     """Write SPIN pairs (chosen = gold, rejected = the generator's answer) to out_dir/{train,validation}.parquet
@@ -99,7 +100,7 @@ def spin_pairs(
     `render` is the render stage's settings (template override, template_kwargs): prompts are rendered for
     generation exactly as render will render them for training. The generator computes in `dtype` (model.dtype).
     """
-    s = resolve_settings(settings)
+    s, render = resolve_settings(settings), prompt_settings(render)
     if isinstance(iteration, bool) or not isinstance(iteration, int) or iteration < 1:
         raise ValueError(f"spin: iteration must be an integer >= 1, got {iteration!r}")
     if iteration > 1 and not adapter:
@@ -112,7 +113,7 @@ def spin_pairs(
 
     drops = Drops()
     input_rows, rows, forms = read_sft(sft_inputs, s.on_error, drops)
-    gen = load_generator(model, adapter, dict(render or {}), dtype)
+    gen = load_generator(model, adapter, render, dtype)
     # Token counts only where a limit asks for them; ids are rebuilt for the rows kept (a large SFT set's ids
     # would not fit in memory as Python lists).
     prompt_lens = [len(prompt_ids(gen, r)) for r in rows] if s.max_prompt_tokens else None

@@ -305,7 +305,7 @@ def _fake_experiment(folder: Path, settings: dict, margins: list[float], lams: l
     (folder / "train" / "replay.json").write_text(json.dumps({"equal": True, "step": 4, "checkpoint": "final",
                                                              "from_step": 2}))
     (run / "settings.json").write_text(json.dumps({"settings": settings}))
-    validation = lambda m: {"loss": 1.0, "nll": 1.0, "or_loss": 0.7, "accuracy": 0.5 + m, "margin": m}  # noqa: E731
+    validation = lambda m: {"loss": 1.0, "nll": 1.0 + m, "or_loss": 0.7, "accuracy": 0.5 + m, "margin": m}  # noqa: E731
     (run / "index.json").write_text(json.dumps({
         "baseline": validation(margins[0]), "final_step": 4,
         "checkpoints": {"2": {"validation": validation(margins[1])}, "4": {"validation": validation(margins[2])}}}))
@@ -335,7 +335,7 @@ def test_the_objectives_table_reads_each_runs_loss_margins_lambda_and_ifeval(tmp
     c, s = rows["controller"], rows["simpo"]
     assert c[1].startswith("orpo, λ from 0.1 by controller (kp 5") and s[1] == "simpo, β 2, γ 1"
     assert c[2] == "0.400 → 0.650 (step 4, final)" and c[3] == "-0.100 → +0.150" and c[4] == "+0.200 (2)"
-    assert c[5] == "0.100 → 0.600" and s[5] == "–"  # simpo has no λ
+    assert c[5] == "0.900 → 1.150" and c[6] == "0.100 → 0.600" and s[6] == "–"  # simpo has no λ
     assert s[4] == "+0.300 (4)"
-    assert c[6:] == ["0.200 [0.150, 0.250]", "0.300 [0.250, 0.350]", "+0.100 [+0.050, +0.150]"]
+    assert c[7:] == ["0.200 [0.150, 0.250]", "0.300 [0.250, 0.350]", "+0.100 [+0.050, +0.150]"]
     assert matplotlib.image.imread(tmp_path / "margin_lambda.png").shape[2] in (3, 4)

@@ -55,13 +55,14 @@ def markdown(experiments: list[dict[str, Any]]) -> str:
     """The comparison as markdown: one row per experiment."""
     prompts = sorted({e["prompts"] for e in experiments if e["prompts"] is not None})
     lines = ["# Objectives: validation preference and IFEval", "",
-             "Validation preference accuracy (mean response log-prob of chosen above rejected) and margin (their "
-             "mean difference) at step 0 and at the scored checkpoint; the best validation margin and its step; "
+             "Validation preference accuracy (mean response log-prob of chosen above rejected), margin (their "
+             "mean difference) and chosen NLL (a margin won by pushing both down shows there) at step 0 and at "
+             "the scored checkpoint; the best validation margin and its step; "
              f"λ at the first and last step (– where the loss has none). IFEval prompt-level strict accuracy on {', '.join(map(str, prompts)) or '?'} "
              "prompts with 95% bootstrap intervals; trained minus base with a paired bootstrap interval.", "",
              "| experiment | loss | accuracy (step 0 → scored) | margin (step 0 → scored) | best margin (step) | "
-             "λ (first → last) | IFEval base | IFEval trained | trained − base |",
-             "|" + "---|" * 9]
+             "NLL (step 0 → scored) | λ (first → last) | IFEval base | IFEval trained | trained − base |",
+             "|" + "---|" * 10]
     for e in experiments:
         trained = [label for label in e["models"] if label != "base"]
         base = e["models"].get("base", {}).get(METRIC, {})
@@ -74,7 +75,8 @@ def markdown(experiments: list[dict[str, Any]]) -> str:
             f"`{e['name']}`", e["loss"],
             f"{_val(e['start'], 'accuracy')} → {_val(e['scored'], 'accuracy')} (step {step}, {a['checkpoint']})",
             f"{_val(e['start'], 'margin', True)} → {_val(e['scored'], 'margin', True)}",
-            f"{_val(best, 'margin', True)} ({best['step']})" if best else "–", lam,
+            f"{_val(best, 'margin', True)} ({best['step']})" if best else "–",
+            f"{_val(e['start'], 'nll')} → {_val(e['scored'], 'nll')}", lam,
             summary._cell(base), summary._cell(tuned), summary._cell(diff, signed=True)]) + " |")
     lines += ["", "- margin and λ over the steps: `results/objectives/margin_lambda.png`",
               "- each experiment's own figures: " + ", ".join(f"`{Path(e['folder']) / 'plots'}/`" for e in experiments)]

@@ -117,9 +117,12 @@ def overlay(work: Path, a: argparse.Namespace) -> dict[str, Any]:
         "eval": {"prompts": str(work / "ifeval_prompts.jsonl"), "limit": a.limit},
         "render": {"template": str(ROOT / "config/paper/mistral-orpo.jinja")},
         "generate": {"max_tokens": a.max_tokens, "batch_size": a.gen_batch},
-        # One H200 holds 7B full training's weights, masters and moments (101 GB with gradients): a segmented
-        # backward keeps the activations of batch_size 8 pairs of up to 2048 tokens beside them.
-        "train": {"epochs": a.epochs, "checkpoint_every": 0, "engine": json.loads(a.engine)},
+        # The paper's 32 pairs a step as --batch x --grad-accum micro-batches (the same mean gradient); 7B full
+        # training holds 101 GB of weights, masters, moments and gradients beside one micro-batch's activations.
+        # No checkpoint but the final one: a 7B full run's mid-run checkpoint (weights and optimizer state) is
+        # 87 GB, more than the GPU machine's disk, so replay retrains from step 0.
+        "train": {"epochs": a.epochs, "checkpoint_every": 0, "engine": json.loads(a.engine),
+                  **({"batch_size": a.batch, "grad_accum": a.grad_accum} if a.batch else {})},
         "experiments": {name: {"data": {"raw": str(work / f"{name}.jsonl")}} for name in ("alpha", "beta")},
     }
 
@@ -177,8 +180,12 @@ def main() -> None:
     ap.add_argument("--cores", type=int, default=os.cpu_count())
     ap.add_argument("--workdir", type=Path, default=Path("/tmp/paper-gpu"))
     ap.add_argument("--engine", default='{"segment_layers": 2}', help="train.engine overlay, JSON")
+    ap.add_argument("--batch", type=int, default=0, help="train.batch_size overlay (0: the paper config's 8)")
+    ap.add_argument("--grad-accum", type=int, default=4, help="train.grad_accum overlay, with --batch")
     ap.add_argument("--budget-s", type=float, default=0,
                     help="stop Snakemake after this many seconds and report what finished (a rerun continues)")
+    ap.add_argument("--targets", nargs="+", help="Snakemake targets short of the table (e.g. "
+                    "results/alpha/train/replay.json), to split the DAG at stage ends across calls")
     ap.add_argument("--json", type=Path)
     a = ap.parse_args()
     shape, work = GEOMETRIES[a.geometry], a.workdir
@@ -204,7 +211,7 @@ def main() -> None:
     if not (work / "overlay.yaml").exists() or (work / "overlay.yaml").read_text() != config:
         (work / "overlay.yaml").write_text(config)
     built = time.perf_counter() - t0
-    cmd = [sys.executable, "-m", "snakemake", TARGET, "--snakefile", str(ROOT / "Snakefile"), "--directory", str(work),
+    cmd = [sys.executable, "-m", "snakemake", *(a.targets or [TARGET]), "--snakefile", str(ROOT / "Snakefile"), "--directory", str(work),
            "--configfile", str(ROOT / "config/paper/orpo-ifeval.yaml"), str(work / "overlay.yaml"),
            "--cores", str(a.cores), "--profile", str(ROOT / "workflow/profiles/default")]
     t1 = time.perf_counter()

@@ -428,8 +428,8 @@ def test_accumulated_full_gradients_equal_the_whole_batch(tiny_base, short):
     parts = sess.micro_batches(1)
     assert [len(p) for p in parts] == [2, 2, 2, 2]
 
-    def micro(j):
-        (_, metrics), grads = batch_value_and_grad(sess.model, sess.prepare(1)[j], LAM, sess.engine)
+    def micro(j, sums):
+        (_, metrics), grads = batch_value_and_grad(sess.model, sess.prepare(1)[j], LAM, sess.engine, sums)
         return metrics, grads
 
     grads, metrics = accumulate_grads(micro, 4)

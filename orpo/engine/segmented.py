@@ -10,6 +10,8 @@ them, and the embedding's lookup is differentiated last, with the cotangent of t
 embedding's two gradients are summed). Peak memory: one segment's activations plus the boundaries. The recompute must
 draw the forward's dropout masks again: a module's dropout has to come from keys that stay put during the
 call, not from the global RNG (the trainer's LoRA layers key theirs by seed, step, micro-batch and module).
+Given running sums (`into`, gradient accumulation), each segment's gradients are added into them as soon as they
+are evaluated: the accumulated gradients are one copy of the weights' size, not the sums plus a micro-batch's.
 """
 
 from __future__ import annotations
@@ -57,6 +59,15 @@ class Params:
 # a head that differentiates itself (evaluating as it goes), computing with `Params.replaced` under its vjp.
 HeadValueAndGrad = Callable[[mx.array, Params],
                             tuple[tuple[mx.array, dict[str, mx.array]], mx.array, list[mx.array]]]
+
+
+def add_into(into: dict[str, mx.array], grads: Any) -> Any:
+    """Add a gradient tree into running sums keyed by path (taking it where a path is new); returns the sums' tree.
+
+    The sums are replaced, not kept beside: an old sum referenced only by its addition lends it its buffer."""
+    for path, g in tree_flatten(grads):
+        into[path] = into[path] + g if path in into else g
+    return tree_map_with_path(lambda path, _: into[path], grads)
 
 
 def _layer_params(stack: Stack, model: nn.Module) -> tuple[list[tuple[str, list[tuple[str, mx.array]]]], Params, Params]:
@@ -149,9 +160,13 @@ def _compiled_segment(stack: Stack, layout: Layout, a: int, b: int, what: str, m
 
 def segmented_value_and_grad(model: nn.Module, stack: Stack, layout: Layout, head_loss: HeadLoss,
                              segment_layers: int, head_value_and_grad: HeadValueAndGrad | None = None,
-                             compiled: bool = False, overlap: int = 0, mlp_chunks: int = 1
+                             compiled: bool = False, overlap: int = 0, mlp_chunks: int = 1,
+                             into: dict[str, mx.array] | None = None
                              ) -> tuple[tuple[mx.array, dict[str, mx.array]], Any]:
     """((loss, metrics), grads) of head_loss(last layer's output) over the layout, grads shaped like trainable_parameters().
+
+    `into`: running sums keyed by path; each gradient is added into them as it is evaluated and the returned
+    grads are the sums (see add_into).
 
     `compiled`: each segment's forward and backward run under mx.compile (same math; MLX fuses the
     elementwise kernels). `overlap`: segments whose evaluation may still run while the next one is
@@ -179,6 +194,16 @@ def segmented_value_and_grad(model: nn.Module, stack: Stack, layout: Layout, hea
     masks = stack.masks(layout, h)
     positions = layout.positions
     grads: dict[str, mx.array] = {}
+
+    def put(names: Sequence[str], arrays: Sequence[mx.array]) -> list[mx.array]:
+        """Record these gradients (added into the running sums where given); returns what to evaluate."""
+        if into is None:
+            grads.update(zip(names, arrays))
+            return list(arrays)
+        for k, g in zip(names, arrays):
+            into[k] = grads[k] = into[k] + g if k in into else g
+        return [into[k] for k in names]
+
     queue = EvalQueue(overlap)
     boundary = [h]
     queue.push(h)
@@ -189,34 +214,29 @@ def segmented_value_and_grad(model: nn.Module, stack: Stack, layout: Layout, hea
     queue.drain()
 
     (loss, metrics), cot, top_grads = (head_value_and_grad or _head_value_and_grad(head_loss))(boundary.pop(), top)
-    grads.update(zip(top.names, top_grads))
-    mx.eval(loss, metrics, cot, top_grads)
+    mx.eval(loss, metrics, cot, put(top.names, top_grads))
 
     for a, b in reversed(segments):
         h_in = boundary.pop()
         if b <= lowest:
             break
         cot, *param_grads = backward(a, b)(h_in, cot, masks, positions)
-        it = iter(param_grads)
-        for prefix, items in per_layer[a:b]:
-            for k, _ in items:
-                grads[f"{prefix}.{k}"] = next(it)
-        queue.push(cot, param_grads)
+        names = [f"{prefix}.{k}" for prefix, items in per_layer[a:b] for k, _ in items]
+        queue.push(cot, put(names, param_grads))
     queue.drain()
     if bottom.names:
-        grads.update(_embedding_grads(stack, layout, bottom, cot, grads))
+        embed_grads = _embedding_grads(stack, layout, bottom, cot)
+        mx.eval(put(list(embed_grads), [
+            grads[k] + g if k in grads and into is None else g for k, g in embed_grads.items()]))
     return (loss, metrics), tree_map_with_path(lambda path, _: grads[path], model.trainable_parameters())
 
 
-def _embedding_grads(stack: Stack, layout: Layout, bottom: Params, cot: mx.array,
-                     grads: dict[str, mx.array]) -> dict[str, mx.array]:
-    """The embedding's gradients from the lowest boundary's cotangent, added to the head's where it is tied."""
+def _embedding_grads(stack: Stack, layout: Layout, bottom: Params, cot: mx.array) -> dict[str, mx.array]:
+    """The embedding's gradients from the lowest boundary's cotangent (a tied head's are added by the caller)."""
 
     def embed(*arrays: mx.array) -> list[mx.array]:
         with bottom.replaced(arrays):
             return [stack.embed(layout.tokens)]
 
     _, embed_grads = mx.vjp(embed, bottom.arrays, [cot])
-    out = {k: grads[k] + g if k in grads else g for k, g in zip(bottom.names, embed_grads)}
-    mx.eval(out)
-    return out
+    return dict(zip(bottom.names, embed_grads))

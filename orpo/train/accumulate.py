@@ -7,27 +7,30 @@ from typing import Any, Callable
 import mlx.core as mx
 from mlx.utils import tree_map
 
-MicroStep = Callable[[int], tuple[dict[str, mx.array], Any]]
+# (j, running sums by path) -> (metrics, the sums' tree once micro-batch j's gradients are added into them)
+MicroStep = Callable[[int, dict[str, mx.array]], tuple[dict[str, mx.array], Any]]
 
 
 def accumulate_grads(micro_step: MicroStep, n: int) -> tuple[Any, dict[str, mx.array]]:
-    """Mean gradients and metrics of `micro_step(0..n-1)`, each a (metrics, grads) of one micro-batch.
+    """Mean gradients and metrics of `micro_step(0..n-1)`, each adding its micro-batch's gradients into the
+    running sums it is given (orpo.engine.segmented.add_into).
 
     The loss is a mean over pairs, so with equal-size micro-batches the mean of their gradients is the
-    gradient of the whole batch. The running sums are evaluated after every micro-batch, so its forward
-    and backward graph is freed before the next one is built: peak memory does not grow with `n`.
+    gradient of the whole batch. The sums are evaluated after every micro-batch, so its forward and backward
+    graph is freed before the next one is built: peak memory does not grow with `n`. Only the sums dict holds
+    them between micro-batches, so each addition reuses the old sum's buffer; the segmented backward adds a
+    segment's gradients as it goes, so no second full set of gradients is ever held.
     """
-    total_grads: Any = None
+    sums: dict[str, mx.array] = {}
     total_metrics: dict[str, mx.array] = {}
+    grads: Any = None
     for j in range(n):
-        metrics, grads = micro_step(j)
-        if total_grads is None:
-            total_grads, total_metrics = grads, dict(metrics)
-        else:
-            total_grads = tree_map(mx.add, total_grads, grads)
-            total_metrics = {k: total_metrics[k] + metrics[k] for k in total_metrics}
-        mx.eval(total_grads, total_metrics)
+        grads = None  # `sums` alone references the running sums while the next micro-batch adds into them
+        metrics, grads = micro_step(j, sums)
+        total_metrics = dict(metrics) if j == 0 else {k: total_metrics[k] + metrics[k] for k in total_metrics}
+        mx.eval(grads, total_metrics)
+    sums.clear()
     if n == 1:
-        return total_grads, total_metrics  # exactly the single batch's values
+        return grads, total_metrics  # exactly the single batch's values
     inv = 1.0 / n
-    return tree_map(lambda g: g * inv, total_grads), {k: v * inv for k, v in total_metrics.items()}
+    return tree_map(lambda g: g * inv, grads), {k: v * inv for k, v in total_metrics.items()}

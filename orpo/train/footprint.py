@@ -23,7 +23,7 @@ from orpo.settings import as_dict
 GB = 1e9
 
 
-def parameter_bytes(model: Any, master_dtype: Any, grad_copies: int) -> dict[str, int]:
+def parameter_bytes(model: Any, master_dtype: Any, grad_copies: float) -> dict[str, int]:
     """Exact bytes of the model's weights (every array, in its dtype), of a step's gradients (`grad_copies` sets of
     the trainable weights, in their dtype), of the master weights (trainable weights not already in the master
     dtype, held again in it, or as their low halves under bf16) and of AdamW's two moments (in the master dtype)."""
@@ -32,7 +32,7 @@ def parameter_bytes(model: Any, master_dtype: Any, grad_copies: int) -> dict[str
     master = [master_dtype or v.dtype for v in trainable]
     return {
         "weights": weights,
-        "gradients": grad_copies * sum(v.nbytes for v in trainable),
+        "gradients": int(grad_copies * sum(v.nbytes for v in trainable)),
         "master_weights": sum(v.size * master_extra_bytes(v.dtype, m) for v, m in zip(trainable, master)),
         "moments": 2 * sum(v.size * m.size for v, m in zip(trainable, master)),
     }
@@ -87,7 +87,11 @@ def predict_memory(sess: Any) -> dict[str, Any]:
     with prefix sharing ([prompt; chosen; rejected]), two without.
     """
     s, engine, pairs = sess.s, as_dict(sess.engine), sess.train
-    copies = 1 + (s.grad_accum > 1) + (sess.shard.size > 1)  # the running sum; the all-reduced copy
+    # The running sum beside a micro-batch's gradients (a segment's where the segmented backward adds them in
+    # as it goes); the all-reduced copy.
+    layers = max(1, getattr(sess.model.args, "num_hidden_layers", 1))
+    accumulating = (min(1.0, engine["segment_layers"] / layers) if engine["segment_layers"] else 1.0) if s.grad_accum > 1 else 0.0
+    copies = 1 + accumulating + (sess.shard.size > 1)
     parts = parameter_bytes(sess.model, sess.opt.master_dtype, copies)
     lengths = list(zip(map(len, pairs.prompt), map(len, pairs.chosen), map(len, pairs.rejected)))
     b = s.batch_size

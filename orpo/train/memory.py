@@ -3,13 +3,17 @@
 Why: MLX reuses a cached buffer only for a request of about its own size, and on a GPU it caches up to its
 memory limit by default (CUDA: 95% of the device). With variable-length batches every new padded shape
 leaves buffers of new sizes in the cache, until CUDA's allocator fails beside a small active set
-(bench/README.md). `auto` caps the cache at two steps' working sets (peak minus what was resident before the
-first step: room to reuse every buffer of a repeated shape) and at what is left beside the peak under
-HEADROOM of the device's memory, raised as the peak grows.
+(bench/README.md). `auto` caches nothing in the first step (its peak is not measured yet: a cache sized beside
+a predicted peak failed a 7B full-parameter step whose prediction ran 6 GB under the measured peak), then caps
+the cache at two steps' working sets (peak minus what was resident before the first step: room to reuse every
+buffer of a repeated shape) and at what is left beside the peak under HEADROOM of the device's memory, moved as
+the peak grows. Throughout the run MLX's memory limit stands at that ceiling too, so that a step wider than any
+before it has MLX release cached buffers before active plus cached memory passes it.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -24,9 +28,9 @@ HEADROOM = 0.85
 
 
 def device_memory() -> int:
-    """Bytes of the device's memory (MLX's memory limit where MLX does not report it, as on the CPU)."""
+    """Bytes of the device's memory (the machine's RAM where MLX does not report it, as on the CPU)."""
     info = mx.device_info() if hasattr(mx, "device_info") else {}
-    return int(info.get("memory_size") or mx.get_memory_limit())
+    return int(info.get("memory_size") or os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
 
 
 @dataclass
@@ -34,7 +38,6 @@ class CachePolicy:
     """The cache limit a run sets: `setting` "auto" (derived, see the module) or a number of GB (0 = no cache)."""
 
     setting: str | float
-    mlx_limit: int = 0  # MLX's cache limit before the run (its own default unless set), a cap for the first step
     resident: int = 0  # active bytes before the first step: weights, adapters, optimizer state
     peak_seen: int = 0
     limit: int | None = None
@@ -44,18 +47,14 @@ class CachePolicy:
         if self.setting != "auto":
             self._set(int(self.setting * GB), 0)
 
-    def start(self, expected_peak: int = 0) -> None:
-        """Note what is resident before the first step; the run's peak counts from here. With auto, the first
-        step (its peak not yet measured) caches at most what fits under HEADROOM beside the larger of the
-        resident arrays and `expected_peak` (the run's predicted peak): a 7B full-parameter step grows the
-        active set by its gradients and activations, and a cache sized beside the resident arrays alone fills
-        the device before that step ends."""
+    def start(self) -> None:
+        """Note what is resident before the first step; the run's peak counts from here. With auto, nothing is
+        cached until a step's peak is measured."""
         mx.clear_cache()  # what loading and attaching freed: the step's own buffers are another size
         self.resident = mx.get_active_memory()
         mx.reset_peak_memory()
         if self.setting == "auto":
-            room = self._ceiling() - max(self.resident, expected_peak)
-            self._set(int(max(0, min(self.mlx_limit, room))), 0)
+            self._set(0, 0)
 
     def _ceiling(self) -> float:
         return min(HEADROOM * device_memory(), mx.get_memory_limit())
@@ -85,11 +84,13 @@ class CachePolicy:
 
 @contextmanager
 def cache_policy(setting: str | float) -> Iterator[CachePolicy]:
-    """While inside, the run's CachePolicy holds MLX's cache limit; the previous limit comes back after."""
+    """While inside, the run's CachePolicy holds MLX's cache limit and MLX's memory limit stands at HEADROOM of
+    the device (or lower where it was set lower); both previous limits come back after."""
     previous = mx.set_cache_limit(mx.get_memory_limit())  # read it (MLX has no getter) and restore it below
     mx.set_cache_limit(previous)
-    policy = CachePolicy(setting, previous)
+    memory = mx.set_memory_limit(int(min(HEADROOM * device_memory(), mx.get_memory_limit())))
     try:
-        yield policy
+        yield CachePolicy(setting)
     finally:
         mx.set_cache_limit(previous)
+        mx.set_memory_limit(memory)

@@ -148,10 +148,10 @@ class Session:
         loss = PairLoss(self.objective, lam)
         with memory_limit(self.engine.memory_limit_gb):
 
-            def micro(j: int) -> tuple[dict[str, mx.array], Any]:
+            def micro(j: int, sums: dict[str, mx.array]) -> tuple[dict[str, mx.array], Any]:
                 self.keys.at(step, j)  # dropout masks of this micro-batch: keyed by (seed, step, j, module)
                 self.signatures.add(batches[j].signature())
-                (_, metrics), grads = batch_value_and_grad(self.model, batches[j], loss, self.engine)
+                (_, metrics), grads = batch_value_and_grad(self.model, batches[j], loss, self.engine, sums)
                 return metrics, grads
 
             seen = len(self.signatures)

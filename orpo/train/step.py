@@ -24,7 +24,7 @@ from orpo.engine.attention import CUDNN_MAX_HEAD_DIM, exclusion_fits
 from orpo.engine.compiled import kept, layout_arrays, layout_from
 from orpo.engine.head import (LMHead, fused_logp_eager, lm_head_of, mean_logps_from_logits, response_mean_logps,
                               token_logp)
-from orpo.engine.segmented import Params, segmented_value_and_grad
+from orpo.engine.segmented import Params, add_into, segmented_value_and_grad
 from orpo.engine.stack import Stack, head_dim_of
 from orpo.train.data import Pairs, pair_batch
 from orpo.train.lora import adapters_off, refuse_mlp_dropout
@@ -202,12 +202,13 @@ def reference_logps(model: nn.Module, batch: MicroBatch, engine: EngineSettings)
 # --- loss -> gradients ---
 
 
-def batch_value_and_grad(model: nn.Module, batch: MicroBatch, loss: PairLoss | float,
-                         engine: EngineSettings) -> tuple[tuple[mx.array, dict[str, mx.array]], Any]:
+def batch_value_and_grad(model: nn.Module, batch: MicroBatch, loss: PairLoss | float, engine: EngineSettings,
+                         into: dict[str, mx.array] | None = None) -> tuple[tuple[mx.array, dict[str, mx.array]], Any]:
     """((loss, metrics), grads) of the objective `loss` names (a number: ORPO's λ) over a prepared micro-batch;
     metrics as pair_objective's plus prefix_fallbacks (the pairs whose prompts differ: no sharing for them).
 
-    grads has the tree structure of model.trainable_parameters(), as nn.value_and_grad gives it.
+    grads has the tree structure of model.trainable_parameters(), as nn.value_and_grad gives it. Given running
+    sums `into` (gradient accumulation), the gradients are added into them and grads are the sums.
     """
     e = engine
     n = batch.n
@@ -217,14 +218,17 @@ def batch_value_and_grad(model: nn.Module, batch: MicroBatch, loss: PairLoss | f
     if batch.plain is not None:
         (value, metrics), grads = nn.value_and_grad(model, naive_pair_loss)(model, *batch.plain, n, loss,
                                                                             batch.plain_nll)
-        return (value, {**metrics, "prefix_fallbacks": mx.array(0.0)}), grads
+        return (value, {**metrics, "prefix_fallbacks": mx.array(0.0)}), grads if into is None else add_into(into, grads)
     packed = batch.packed
-    if e.segment_layers > 0:
-        (value, metrics), grads = _segmented(model, packed, n, loss, e)
-    elif e.compile:
-        (value, metrics), grads = _compiled_whole(model, packed, n, loss, e)
+    if e.segment_layers > 0:  # adds into the running sums segment by segment
+        (value, metrics), grads = _segmented(model, packed, n, loss, e, into)
     else:
-        (value, metrics), grads = nn.value_and_grad(model, lambda: whole_loss(model, packed, n, loss, e))()
+        if e.compile:
+            (value, metrics), grads = _compiled_whole(model, packed, n, loss, e)
+        else:
+            (value, metrics), grads = nn.value_and_grad(model, lambda: whole_loss(model, packed, n, loss, e))()
+        if into is not None:
+            grads = add_into(into, grads)
     return (value, {**metrics, "prefix_fallbacks": mx.array(float(packed.fallbacks))}), grads
 
 
@@ -257,8 +261,8 @@ def _compiled_whole(model: nn.Module, packed: PackedPairs, n: int, loss: PairLos
     return kept(model, key, build)(arrays, packed.index, packed.targets, packed.weights, nll, lam, ref)
 
 
-def _segmented(model: nn.Module, packed: PackedPairs, n: int, loss: PairLoss,
-               e: EngineSettings) -> tuple[tuple[mx.array, dict[str, mx.array]], Any]:
+def _segmented(model: nn.Module, packed: PackedPairs, n: int, loss: PairLoss, e: EngineSettings,
+               into: dict[str, mx.array] | None = None) -> tuple[tuple[mx.array, dict[str, mx.array]], Any]:
     """((loss, metrics), grads) through the segmented backward; a fused head runs eagerly, chunk by chunk.
 
     The head is read from the model inside each function, so where it trains (full-parameter training) the
@@ -295,7 +299,7 @@ def _segmented(model: nn.Module, packed: PackedPairs, n: int, loss: PairLoss,
 
     eager = head_value_and_grad if e.head == "fused" else None
     return segmented_value_and_grad(model, stack, packed.layout, loss_of_last, e.segment_layers, eager,
-                                    e.compile, e.overlap, e.mlp_chunks)
+                                    e.compile, e.overlap, e.mlp_chunks, into)
 
 
 # --- validation: log-probs without gradients ---

@@ -151,7 +151,7 @@ def _train(sess: Session, record: dict[str, Any], rendered_dir: str | Path, out_
         if start == 0 and index.get("baseline"):
             trackers.log(index["baseline"], 0, "validation")
         sess.update_fn()  # the optimizer takes the weights now: its state is resident before the first step
-        cache.start(predicted["bytes"]["peak"])
+        cache.start()
         rate = Throughput()
         batches = sess.prepare(start + 1) if start < sess.total_steps else []
         for step in range(start + 1, sess.total_steps + 1):
@@ -355,8 +355,12 @@ def replay(
     if start:
         sess.restore(load_checkpoint(run_dir, start, sess.model, sess.opt))
     t0 = time.time()
-    for step in range(start + 1, target + 1):
-        sess.step(step)
+    with cache_policy(sess.engine.cache_limit_gb) as cache:  # as the run trained: its cache bound, its memory
+        sess.update_fn()
+        cache.start()
+        for step in range(start + 1, target + 1):
+            sess.step(step)
+            cache.update(step)
     if not sess.shard.is_main:
         return None
     with tempfile.TemporaryDirectory() as tmp:

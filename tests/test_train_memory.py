@@ -214,3 +214,21 @@ def test_cache_stays_bounded_over_variable_length_steps(wide_llama, tmp_path):
     # Rows of at most 2 x (60 + 90 + 90) tokens: widths and target counts each take a few ladder rungs.
     rungs = len({ladder(n, 16) for n in range(1, 240)}) * len({ladder(n, 16, 4) for n in range(1, 2 * 180)})
     assert record["auto"]["shapes"] <= min(rungs, 300 // 4), record
+
+
+def test_cache_policy_holds_the_memory_limit_at_the_ceiling_and_restores_both():
+    """Inside a run's policy MLX's memory limit is at most HEADROOM of the device and auto's first step caches
+    nothing; both limits come back after."""
+    from orpo.train.memory import HEADROOM, cache_policy, device_memory
+
+    before = mx.set_memory_limit(device_memory())  # above the ceiling, as MLX's own 95% is on CUDA
+    cache_before = mx.set_cache_limit(12345)
+    try:
+        with cache_policy("auto") as policy:
+            assert mx.get_memory_limit() <= HEADROOM * device_memory() + 1
+            policy.start()
+            assert mx.set_cache_limit(0) == 0 and policy.limit == 0
+        assert mx.get_memory_limit() == device_memory()
+        assert mx.set_cache_limit(cache_before) == 12345
+    finally:
+        mx.set_memory_limit(before)

@@ -66,8 +66,14 @@ def add_into(into: dict[str, mx.array], grads: Any) -> Any:
 
     The sums are replaced, not kept beside: an old sum referenced only by its addition lends it its buffer."""
     for path, g in tree_flatten(grads):
-        into[path] = into[path] + g if path in into else g
+        _add(into, path, g)
     return tree_map_with_path(lambda path, _: into[path], grads)
+
+
+def _add(sums: dict[str, mx.array], path: str, g: mx.array) -> mx.array:
+    """sums[path] += g (taking g where the path is new); returns the new sum."""
+    sums[path] = sums[path] + g if path in sums else g
+    return sums[path]
 
 
 def _layer_params(stack: Stack, model: nn.Module) -> tuple[list[tuple[str, list[tuple[str, mx.array]]]], Params, Params]:
@@ -196,13 +202,11 @@ def segmented_value_and_grad(model: nn.Module, stack: Stack, layout: Layout, hea
     grads: dict[str, mx.array] = {}
 
     def put(names: Sequence[str], arrays: Sequence[mx.array]) -> list[mx.array]:
-        """Record these gradients (added into the running sums where given); returns what to evaluate."""
-        if into is None:
-            grads.update(zip(names, arrays))
-            return list(arrays)
+        """Add these gradients to this call's (a tied embedding's to its head's) or into the running sums where
+        given; returns what to evaluate."""
         for k, g in zip(names, arrays):
-            into[k] = grads[k] = into[k] + g if k in into else g
-        return [into[k] for k in names]
+            grads[k] = _add(grads, k, g) if into is None else _add(into, k, g)
+        return [grads[k] for k in names]
 
     queue = EvalQueue(overlap)
     boundary = [h]
@@ -226,8 +230,7 @@ def segmented_value_and_grad(model: nn.Module, stack: Stack, layout: Layout, hea
     queue.drain()
     if bottom.names:
         embed_grads = _embedding_grads(stack, layout, bottom, cot)
-        mx.eval(put(list(embed_grads), [
-            grads[k] + g if k in grads and into is None else g for k, g in embed_grads.items()]))
+        mx.eval(put(list(embed_grads), list(embed_grads.values())))
     return (loss, metrics), tree_map_with_path(lambda path, _: grads[path], model.trainable_parameters())
 
 

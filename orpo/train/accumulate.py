@@ -23,7 +23,6 @@ def accumulate_grads(micro_step: MicroStep, n: int) -> tuple[Any, dict[str, mx.a
     """
     sums: dict[str, mx.array] = {}
     total_metrics: dict[str, mx.array] = {}
-    grads: Any = None
     for j in range(n):
         grads = None  # `sums` alone references the running sums while the next micro-batch adds into them
         metrics, grads = micro_step(j, sums)

@@ -87,11 +87,13 @@ def predict_memory(sess: Any) -> dict[str, Any]:
     with prefix sharing ([prompt; chosen; rejected]), two without.
     """
     s, engine, pairs = sess.s, as_dict(sess.engine), sess.train
-    # The running sum beside a micro-batch's gradients (a segment's where the segmented backward adds them in
-    # as it goes); the all-reduced copy.
-    layers = max(1, getattr(sess.model.args, "num_hidden_layers", 1))
-    accumulating = (min(1.0, engine["segment_layers"] / layers) if engine["segment_layers"] else 1.0) if s.grad_accum > 1 else 0.0
-    copies = 1 + accumulating + (sess.shard.size > 1)
+    # Accumulating, the running sums beside a micro-batch's gradients (a segment's where the segmented backward
+    # adds them in as it goes); data parallel, the all-reduced copy.
+    beside = 0.0
+    if s.grad_accum > 1:
+        layers = max(1, getattr(sess.model.args, "num_hidden_layers", 1))
+        beside = min(1.0, engine["segment_layers"] / layers) if engine["segment_layers"] else 1.0
+    copies = 1 + beside + (sess.shard.size > 1)
     parts = parameter_bytes(sess.model, sess.opt.master_dtype, copies)
     lengths = list(zip(map(len, pairs.prompt), map(len, pairs.chosen), map(len, pairs.rejected)))
     b = s.batch_size

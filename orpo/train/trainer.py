@@ -23,7 +23,7 @@ from orpo.train.checkpoint import (kept_steps, load_checkpoint, prune_checkpoint
 from orpo.train.data import load_pairs
 from orpo.train.footprint import over_device, predict_memory
 from orpo.train.full import is_full, keeps_optimizer, publish_model
-from orpo.train.memory import cache_policy
+from orpo.train.memory import CachePolicy, cache_policy
 from orpo.train.progress import Progress
 from orpo.settings import as_dict
 from orpo.train.session import Session, TrainingError, build_session
@@ -123,6 +123,16 @@ def work_lock(out_dir: Path) -> Iterator[None]:
         f.close()
 
 
+@contextlib.contextmanager
+def bounded_memory(sess: Session) -> Iterator[CachePolicy]:
+    """The optimizer attached (its state resident before the first step) and MLX's cache and memory bounded by
+    the run's policy (orpo.train.memory), for training and its replay alike."""
+    with cache_policy(sess.engine.cache_limit_gb) as cache:
+        sess.update_fn()
+        cache.start()
+        yield cache
+
+
 def _train(sess: Session, record: dict[str, Any], rendered_dir: str | Path, out_dir: Path,
            work: Path) -> dict[str, Any] | None:
     s = sess.s
@@ -145,13 +155,11 @@ def _train(sess: Session, record: dict[str, Any], rendered_dir: str | Path, out_
         progress.event({"step": 0, "validation": index["baseline"]})
 
     ckpt_steps = set(_checkpoint_steps(s, sess.total_steps, _steps_per_epoch(sess)))
-    with cache_policy(s.engine.cache_limit_gb) as cache, \
+    with bounded_memory(sess) as cache, \
             open(work / "metrics.jsonl", "a", encoding="utf-8") as metrics_file, \
             open_trackers(s.report_to, work, record, start) as trackers:
         if start == 0 and index.get("baseline"):
             trackers.log(index["baseline"], 0, "validation")
-        sess.update_fn()  # the optimizer takes the weights now: its state is resident before the first step
-        cache.start()
         rate = Throughput()
         batches = sess.prepare(start + 1) if start < sess.total_steps else []
         for step in range(start + 1, sess.total_steps + 1):
@@ -355,9 +363,7 @@ def replay(
     if start:
         sess.restore(load_checkpoint(run_dir, start, sess.model, sess.opt))
     t0 = time.time()
-    with cache_policy(sess.engine.cache_limit_gb) as cache:  # as the run trained: its cache bound, its memory
-        sess.update_fn()
-        cache.start()
+    with bounded_memory(sess) as cache:  # as the run trained
         for step in range(start + 1, target + 1):
             sess.step(step)
             cache.update(step)

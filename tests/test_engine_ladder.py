@@ -18,6 +18,7 @@ from mlx.utils import tree_flatten, tree_map
 from test_engine_stack import random_pairs, tiny_model, with_unshared_pair
 
 from conftest import MATMUL_TOL, shortest_pairs
+from orpo.engine.embedding import with_summed_embeddings
 from orpo.engine.head import response_mean_logps
 from orpo.train.data import pair_batch
 from orpo.train.keys import DropoutKeys
@@ -127,16 +128,17 @@ FULL_FAMILIES = {"llama": {}, "llama_untied": {"tie_word_embeddings": False}, "g
 def test_each_rung_gives_every_weights_gradient_when_all_train(family, engine):
     """No LoRA, every weight trainable (embedding, final norm and head included): each rung's loss and every
     gradient equal the naive path's (full logits under nn.value_and_grad, both uses of a tied embedding summed by
-    autodiff) within the ladder's tolerance: the fused head's dW, the segmented backward's two ends."""
+    autodiff; the rung's embedding summed by SummedEmbedding's one-hot matmul) within the ladder's tolerance: the fused head's dW, the segmented backward's two ends."""
     model = tiny_model(family.removesuffix("_untied"), num_hidden_layers=3, **FULL_FAMILIES[family])
     model.unfreeze()
     model.train()
     pairs = random_pairs(1, 3)
-    want = naive(model, pairs)
+    want = naive(model, pairs)  # the embedding's gradient by autodiff's scatter-add
     names = {k for k, _ in tree_flatten(want[1])}
     assert {"model.embed_tokens.weight", "model.norm.weight"} <= names
     assert ("lm_head.weight" in names) == family.endswith("_untied")
     assert len(names) == len(tree_flatten(model.parameters()))
+    assert with_summed_embeddings(model) == ["model.embed_tokens"]  # as train.method full trains it
     assert_close(pair_value_and_grad(model, pairs, LAM, ENGINES[engine]), want)
 
 

@@ -21,6 +21,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
+from orpo.engine.embedding import gpu_scatter_is_unordered, with_summed_embeddings
 from orpo.io import sha256_file
 from orpo.optim import FlatAdamW, lr_schedule
 from orpo.train.settings import TrainSettings
@@ -72,6 +73,8 @@ def apply_full(model: nn.Module, settings: dict[str, Any]) -> dict[str, Any]:
     frozen = frozen_modules(model, freeze)
     for path in frozen:
         modules[path].freeze()
+    if gpu_scatter_is_unordered():  # a repeated token's rows summed in a fixed order: replay stays bit-exact
+        with_summed_embeddings(model)
     trainable = tree_flatten(model.trainable_parameters())
     if not trainable:
         raise ValueError(f"train.full.freeze: {freeze} freezes every weight of the model: nothing to train")

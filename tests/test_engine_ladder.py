@@ -128,7 +128,8 @@ FULL_FAMILIES = {"llama": {}, "llama_untied": {"tie_word_embeddings": False}, "g
 def test_each_rung_gives_every_weights_gradient_when_all_train(family, engine):
     """No LoRA, every weight trainable (embedding, final norm and head included): each rung's loss and every
     gradient equal the naive path's (full logits under nn.value_and_grad, both uses of a tied embedding summed by
-    autodiff; the rung's embedding summed by SummedEmbedding's one-hot matmul) within the ladder's tolerance: the fused head's dW, the segmented backward's two ends."""
+    autodiff; the rung's embedding summed by SummedEmbedding's one-hot matmul) within the ladder's tolerance:
+    the fused head's dW, the segmented backward's two ends."""
     model = tiny_model(family.removesuffix("_untied"), num_hidden_layers=3, **FULL_FAMILIES[family])
     model.unfreeze()
     model.train()

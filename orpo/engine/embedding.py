@@ -4,9 +4,9 @@ Autodiff of `weight[ids]` is a scatter-add, which MLX's CUDA and Metal backends 
 a repeated token (BOS, the template's tokens, common words) are summed in whatever order the threads land,
 so a full-parameter run's embedding, and all that follows from it, differs between two runs of the same
 steps. Here the gradient is a one-hot matmul over vocabulary chunks instead (fixed order, float32
-accumulation, no host synchronisation, so it traces under mx.compile): 2·V·H·M FLOPs for M looked-up tokens
-beside the step's ~6·P·M (P parameters): V·H/(3·P), 0.6% at Mistral-7B's shape. The CPU's scatter-add runs in order and costs
-O(M·H), so `gpu_scatter_is_unordered` says where the swap is needed.
+accumulation, no host synchronisation, so it traces under mx.compile): 2·V·H·M FLOPs for M looked-up
+tokens beside the step's ~6·P·M (P parameters), V·H/(3·P) more: 0.6% at Mistral-7B's shape. The CPU's
+scatter-add runs in order at O(M·H), so `gpu_scatter_is_unordered` says where the swap is needed.
 """
 
 from __future__ import annotations

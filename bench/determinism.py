@@ -8,7 +8,8 @@ Two parts, on whatever device MLX runs on:
   on a few layers of the Mistral-7B geometry, with the model's own nn.Embedding and with the SummedEmbedding that
   train.method full installs: the names of the gradients that differ between repeats.
 
-    python3 bench/determinism.py --json $OUT/determinism.json        # on the GPU
+    python3 bench/determinism.py --parts embedding --json $OUT/determinism.json             # on the GPU: 27 s
+    python3 bench/determinism.py --parts step --layers 2 --repeats 2 --json $OUT/step.json   # 89 s on a fresh machine
     .venv/bin/python bench/determinism.py --layers 2 --hidden 256 --vocab 4096 --repeats 2   # CPU check
 """
 

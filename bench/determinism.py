@@ -5,11 +5,13 @@ Two parts, on whatever device MLX runs on:
   Zipf-distributed ids, BOS on every row): autodiff of `weight[ids]` (a scatter-add) against
   orpo.engine.embedding.lookup (a one-hot matmul), each repeated, distinct results counted and timed;
 - the product's full-parameter step (orpo.train.step.pair_value_and_grad, the engine as a run resolves it here)
-  on a few layers of the Mistral-7B geometry, with the model's own nn.Embedding and with the SummedEmbedding that
-  train.method full installs: the names of the gradients that differ between repeats.
+  on a few layers of the Mistral-7B geometry, in variants of what trains (every weight with the model's own
+  nn.Embedding, every weight with the SummedEmbedding that train.method full installs, or bench/engine.py's LoRA)
+  x train.engine.attention_backward (fused, ordered): the names of the gradients that differ between repeats,
+  and the step's seconds after the first.
 
     python3 bench/determinism.py --parts embedding --json $OUT/determinism.json             # on the GPU: 27 s
-    python3 bench/determinism.py --parts step --layers 2 --repeats 2 --json $OUT/step.json   # 89 s on a fresh machine
+    python3 bench/determinism.py --parts step --layers 2 --repeats 3 --json $OUT/step.json
     .venv/bin/python bench/determinism.py --layers 2 --hidden 256 --vocab 4096 --repeats 2   # CPU check
 """
 
@@ -28,12 +30,13 @@ sys.path[:0] = [p for p in (str(ROOT), str(Path(__file__).resolve().parent)) if 
 
 import mlx.core as mx
 import numpy as np
-from engine import build_model
+from engine import LORA, build_model
 from engine_shapes import MISTRAL_7B
 from mlx.utils import tree_flatten
 
 from orpo.engine.embedding import lookup, with_summed_embeddings
 from orpo.train.data import Pairs
+from orpo.train.lora import apply_lora
 from orpo.train.settings import engine_settings
 from orpo.train.step import pair_value_and_grad, resolve_engine
 
@@ -67,7 +70,10 @@ def embedding_part(vocab: int, hidden: int, tokens: int, repeats: int) -> dict:
     return out
 
 
-def step_part(layers: int, hidden: int, vocab: int, repeats: int, segment_layers: int) -> dict:
+STEP_VARIANTS = ("model-fused", "summed-fused", "summed-ordered", "lora-fused", "lora-ordered")
+
+
+def step_part(layers: int, hidden: int, vocab: int, repeats: int, segment_layers: int, variants: list[str]) -> dict:
     shape = replace(MISTRAL_7B, layers=layers, vocab=vocab,
                     **({} if hidden == MISTRAL_7B.hidden else {"hidden": hidden, "intermediate": 3 * hidden, "heads": 4,
                                                               "kv_heads": 2, "head_dim": hidden // 4}))
@@ -83,19 +89,29 @@ def step_part(layers: int, hidden: int, vocab: int, repeats: int, segment_layers
     engine = resolve_engine(engine_settings({"segment_layers": segment_layers} if segment_layers else {}))
     out = {"layers": layers, "hidden": shape.hidden, "vocab": vocab, "dtype": shape.dtype, "pairs": n,
            "prompt": prompt, "response": response, "segment_layers": engine.segment_layers, "compile": engine.compile}
-    for name, summed in (("model_embedding", False), ("summed_embedding", True)):
+    for name in variants:
+        trains, attention = name.split("-")
         model = build_model(shape, 0)
-        model.unfreeze()
-        if summed:
+        if trains == "lora":
+            apply_lora(model, LORA, 0)
+        else:
+            model.unfreeze()
+        if trains == "summed":
             with_summed_embeddings(model)
         model.train()
-        runs = []
+        runs, seconds, losses = [], [], set()
         for _ in range(repeats):
-            (loss, _), grads = pair_value_and_grad(model, pairs, 0.1, engine)
+            t0 = time.perf_counter()
+            (loss, _), grads = pair_value_and_grad(model, pairs, 0.1, replace(engine, attention_backward=attention))
             mx.eval(loss, grads)
+            seconds.append(time.perf_counter() - t0)
+            print(f"{name}: repeat {len(seconds)} in {seconds[-1]:.2f} s", file=sys.stderr, flush=True)
+            losses.add(loss.item())
             runs.append({k: digest(g) for k, g in tree_flatten(grads)})
         differ = sorted(k for k in runs[0] if len({r[k] for r in runs}) > 1)
-        out[name] = {"repeats": repeats, "gradients": len(runs[0]), "differing": differ}
+        out[name] = {"repeats": repeats, "gradients": len(runs[0]), "differing": differ, "losses": sorted(losses),
+                     "step_s_after_first": [round(x, 4) for x in seconds[1:]]}
+        print(json.dumps({name: out[name]}), flush=True)
         del model, grads
         mx.clear_cache()
     return out
@@ -109,11 +125,13 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=MISTRAL_7B.vocab)
     ap.add_argument("--segment-layers", type=int, default=0, help="train.engine.segment_layers (0: as resolved)")
     ap.add_argument("--parts", default="embedding,step", help="which parts to run, comma-separated")
+    ap.add_argument("--variants", default=",".join(STEP_VARIANTS),
+                    help="the step part's variants, comma-separated: {model,summed,lora}-{fused,ordered}")
     ap.add_argument("--json", type=Path)
     a = ap.parse_args()
     result = {"device": str(mx.default_device()), "mlx": mx.__version__}
     parts = {"embedding": lambda: embedding_part(a.vocab, a.hidden, 8192, max(a.repeats, 8)),
-             "step": lambda: step_part(a.layers, a.hidden, a.vocab, a.repeats, a.segment_layers)}
+             "step": lambda: step_part(a.layers, a.hidden, a.vocab, a.repeats, a.segment_layers, a.variants.split(","))}
     for name, part in [(k, parts[k]) for k in a.parts.split(",")]:  # saved after each part: a stopped run keeps what it measured
         t0 = time.perf_counter()
         result[name] = {**part(), "seconds": round(time.perf_counter() - t0, 1)}

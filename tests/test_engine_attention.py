@@ -185,3 +185,87 @@ def test_split_rows_through_cudnn_equal_float32_attention():
     assert np.linalg.norm(out - ref) / np.linalg.norm(ref) < 5e-2
     for name, g, w in zip("qkv", got, want):
         assert np.linalg.norm(g - w) / np.linalg.norm(w) < 5e-2, name
+
+
+def numpy_attention_grads(q, k, v, scale: float, mask, cot) -> list[np.ndarray]:
+    """Float64 gradients of sum(cot * attention(q, k, v)) by the softmax's Jacobian, with GQA's key heads repeated
+    (and their gradients summed back); `mask` as numpy_attention's, "causal" bottom-right aligned."""
+    q, k, v = (np.array(x.astype(mx.float32), dtype=np.float64) for x in (q, k, v))
+    cot = np.array(cot, dtype=np.float64)
+    kvh, g = k.shape[1], q.shape[1] // k.shape[1]
+    kr, vr = np.repeat(k, g, axis=1), np.repeat(v, g, axis=1)
+    s = scale * q @ kr.swapaxes(-1, -2)
+    lq, lk = s.shape[-2:]
+    if isinstance(mask, str):
+        s = np.where(np.arange(lk)[None] <= np.arange(lq)[:, None] + lk - lq, s, -np.inf)
+    elif mask is not None and mask.dtype == mx.bool_:
+        s = np.where(np.array(mask), s, -np.inf)
+    elif mask is not None:
+        s = s + np.array(mask.astype(mx.float32), dtype=np.float64)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    dp = cot @ vr.swapaxes(-1, -2)
+    ds = p * (dp - (p * dp).sum(-1, keepdims=True))
+    dq = scale * ds @ kr
+    dk = (scale * ds.swapaxes(-1, -2) @ q).reshape(k.shape[0], kvh, g, *k.shape[2:]).sum(2)
+    dv = (p.swapaxes(-1, -2) @ cot).reshape(v.shape[0], kvh, g, *v.shape[2:]).sum(2)
+    return [dq, dk, dv]
+
+
+def ordered_cases():
+    """(name, q, k, v, mask): causal, no mask, boolean and additive arrays, fewer queries than keys."""
+    q, k, v = qkv(2, 4, 2, 23, 8, seed=31)
+    keep = mx.array(np.random.default_rng(32).random((2, 1, 23, 23)) < 0.7) | mx.eye(23, dtype=mx.bool_)
+    per_head = mx.array(np.random.default_rng(33).random((2, 4, 23, 23)) < 0.7) | mx.eye(23, dtype=mx.bool_)
+    yield "causal", q, k, v, "causal"
+    yield "none", q, k, v, None
+    yield "bool", q, k, v, keep
+    yield "bool-per-head", q, k, v, per_head
+    yield "additive", q, k, v, mx.where(keep, 0.0, -mx.inf)
+    yield "mha", *qkv(2, 3, 3, 23, 8, seed=34), "causal"
+    yield "bottom-right", q[:, :, 9:], k, v, "causal"
+
+
+@pytest.mark.parametrize("rows", [0, 5], ids=["one-block", "blocks"])
+def test_ordered_attention_equals_float64_attention(monkeypatch, rows):
+    """ordered_attention's forward is mx.fast's exactly; its gradients equal numpy's float64 gradients and
+    autodiff through mx.fast's attention, in one query block and in blocks of 5 queries (causal blocks read
+    only the keys they see)."""
+    from orpo.engine import attention
+
+    if rows:
+        monkeypatch.setattr(attention, "ORDERED_BLOCK_SCORES", rows * 2 * 4 * 23)
+    for name, q, k, v, mask in ordered_cases():
+        got = attention.ordered_attention(q, k, v, SCALE, mask)
+        np.testing.assert_array_equal(np.array(got), np.array(
+            mx.fast.scaled_dot_product_attention(q, k, v, scale=SCALE, mask=mask)), err_msg=name)
+        cot = mx.array(np.random.default_rng(35).normal(size=q.shape).astype(np.float32))
+        ordered = grads(lambda q, k, v: attention.ordered_attention(q, k, v, SCALE, mask), q, k, v, cot)
+        fused = grads(lambda q, k, v: mx.fast.scaled_dot_product_attention(q, k, v, scale=SCALE, mask=mask),
+                      q, k, v, cot)
+        for part, o, f, w in zip("qkv", ordered, fused, numpy_attention_grads(q, k, v, SCALE, mask, cot)):
+            assert np.abs(w).max() > 0.1, (name, part)
+            np.testing.assert_allclose(o, w, atol=TOL, rtol=0, err_msg=f"{name} d{part}")
+            np.testing.assert_allclose(f, w, atol=TOL, rtol=0, err_msg=f"{name} d{part} (mx.fast)")
+
+
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16])
+def test_ordered_attention_in_half_precision_compiled(dtype):
+    """In bf16/fp16 under mx.compile, through SplitRows and the exclusion dims as the engine calls it, the
+    ordered backward equals float64 gradients to the dtype's rounding, like autodiff through mx.fast does."""
+    prompts, length = [9, 9, 20], 48
+    split, keep = split_case(prompts, 32, length)
+    flagged, excluded, tight = exclusion_case(3, length, 36)
+    q, k, v = qkv(3, 4, 2, length, 16, seed=37)
+    cot = mx.array(np.random.default_rng(38).normal(size=q.shape).astype(np.float32))
+    half = [x.astype(dtype) for x in (q, k, v)]
+    from orpo.engine.attention import exclusion_mask
+
+    for name, mask, block in (("split", split, keep), ("exclusion", None, tight)):
+        m = mask or exclusion_mask(flagged, excluded, dtype)
+        want = numpy_attention_grads(q, k, v, SCALE, mx.array(block), cot)
+        for ordered in (True, False):
+            fn = mx.compile(lambda q, k, v: attend(q, k, v, SCALE, m, ordered=ordered).astype(mx.float32))
+            for part, g, w in zip("qkv", grads(fn, *half, cot), want):
+                # Relative norms: rounding of inputs and P to the dtype gives about 1e-2.
+                assert np.linalg.norm(g - w) / np.linalg.norm(w) < 3e-2, (name, ordered, part)

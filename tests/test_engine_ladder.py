@@ -57,6 +57,12 @@ ENGINES = {name: resolved({**PLAIN, **e}) for name, e in {
     "prefix_compiled": {"prefix_sharing": True, "compile": True},
     "all_compiled_overlap": {"head": "fused", "head_chunk": 7, "segment_layers": 2, "prefix_sharing": True,
                              "compile": True, "overlap": 1},
+    # The attention's backward in a fixed order (a GPU's default): shared rows split, tight, and segmented.
+    "prefix_ordered": {"prefix_sharing": True, "attention_backward": "ordered"},
+    "prefix_exclusion_ordered": {"prefix_sharing": True, "prefix_attention": "exclusion",
+                                 "attention_backward": "ordered"},
+    "all_compiled_ordered": {"head": "fused", "head_chunk": 7, "segment_layers": 2, "prefix_sharing": True,
+                             "compile": True, "attention_backward": "ordered"},
     # Each layer's MLP differentiated in token chunks (3 chunks: the last one shorter).
     "segments_1_mlp_chunks_3": {"segment_layers": 1, "mlp_chunks": 3},
     "all_compiled_mlp_chunks_2": {"head": "fused", "head_chunk": 7, "segment_layers": 1, "prefix_sharing": True,
@@ -271,7 +277,7 @@ def test_validation_logps_match_the_naive_head(engine):
 def test_engine_settings_are_checked():
     with pytest.raises(ValueError, match="train.engine.head: 'flash' is not one of"):
         engine_settings({"head": "flash"})
-    with pytest.raises(ValueError, match=r"unknown key train.engine.segments \(allowed here: cache_limit_gb"):
+    with pytest.raises(ValueError, match=r"unknown key train.engine.segments \(allowed here: attention_backward, cache_limit_gb"):
         engine_settings({"segments": 2})
 
 

@@ -4,7 +4,9 @@ Shared rows hold a pair's prompt, chosen and rejected; rejected's queries must n
 ways keep MLX's fused causal attention (cuDNN's forward and backward on CUDA) instead of a mask array:
 SplitRows runs aligned rows as two causal attentions, ExclusionMask hides chosen's keys from rejected's
 queries with extra head dims. `attend` is the attention the engine's forward (orpo.engine.forward) calls:
-it does these masks and hands any other to mx.fast's attention.
+it does these masks and hands any other to mx.fast's attention. `ordered_attention` is mx.fast's attention
+with a backward that sums in a fixed order (cuDNN's sums the query gradient with atomics), for replays that
+are bit-exact on CUDA.
 """
 
 from __future__ import annotations
@@ -25,6 +27,9 @@ EXCLUSION_SCALE = 128.0
 # to the unfused attention, which keeps [B, H, L, L] scores (enough to put a Mistral-7B step on real-length
 # rows out of an H200's memory).
 CUDNN_MAX_HEAD_DIM = 128
+# Scores per query block of ordered_attention's backward: each of its four float32 [B, H, block, keys]
+# temporaries stays near 256 MB.
+ORDERED_BLOCK_SCORES = 2**26
 
 
 def exclusion_fits(head_dim: int, cuda: bool) -> bool:
@@ -112,13 +117,88 @@ def split_attention(sdpa: Callable[[mx.array, mx.array, mx.array], mx.array], q:
     return mx.concatenate([sdpa(q_a, k[:, :, :s], v[:, :, :s]), out_b], axis=2)
 
 
-def attend(queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: Any) -> mx.array:
+def _visible(scores: mx.array, mask: Any, first: int, offset: int) -> mx.array:
+    """Scores [B, kv heads, G, n, keys] of queries first..first+n-1 with what `mask` hides set to -inf; "causal" is
+    bottom-right aligned (query i sees keys up to i + offset), an array mask is [B or 1, H or 1, L, keys]."""
+    if mask is None:
+        return scores
+    n, keys = scores.shape[-2:]
+    if isinstance(mask, str):
+        visible = mx.arange(keys)[None] <= mx.arange(first + offset, first + offset + n)[:, None]
+    else:
+        b, h = mask.shape[:2]
+        kv, g = scores.shape[1:3]
+        block = mask[:, :, first:first + n, :keys]
+        visible = block[:, :, None] if h == 1 else block.reshape(b, kv, g, n, keys)
+    if visible.dtype != mx.bool_:
+        return scores + visible.astype(scores.dtype)
+    return mx.where(visible, scores, mx.array(-mx.inf, scores.dtype))
+
+
+def ordered_backward(q: mx.array, k: mx.array, v: mx.array, scale: float, mask: Any,
+                     cotangent: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+    """Gradients of softmax attention (q [B, H, L, D], k [B, kv heads, keys, D], v's last dim its own) by query
+    blocks, in a fixed order.
+
+    Each block recomputes its scores and softmax in float32 (causal blocks read only the keys they see), forms
+    dS = P * (dP - rowsum(P * dP)), and takes dQ, and its share of dK and dV, as matmuls in the input dtype;
+    the shares are summed block after block in float32. GQA's query heads of one key head are one matmul's
+    rows, so no gradient is summed across heads by a reduction either.
+    """
+    b, h, length, d = q.shape
+    kv, keys = k.shape[1], k.shape[2]
+    g = h // kv
+    offset = keys - length
+    qg, dog = q.reshape(b, kv, g, length, d), cotangent.reshape(b, kv, g, length, v.shape[-1])
+    rows = max(1, min(length, ORDERED_BLOCK_SCORES // max(1, b * h * keys)))
+    dq, dk, dv = [], mx.zeros(k.shape, mx.float32), mx.zeros(v.shape, mx.float32)
+    for first in range(0, length, rows):
+        n = min(rows, length - first)
+        seen = min(keys, first + n + offset) if isinstance(mask, str) else keys
+        qb, dob = qg[:, :, :, first:first + n], dog[:, :, :, first:first + n]
+        kb, vb = k[:, :, None, :seen], v[:, :, None, :seen]
+        scores = (qb.astype(mx.float32) @ kb.astype(mx.float32).swapaxes(-1, -2)) * scale
+        p = mx.softmax(_visible(scores, mask, first, offset), axis=-1, precise=True)
+        dp = dob.astype(mx.float32) @ vb.astype(mx.float32).swapaxes(-1, -2)
+        ds = (p * (dp - (p * dp).sum(axis=-1, keepdims=True))).astype(q.dtype)
+        dq.append((ds @ kb) * scale)
+        # [B, kv, G, n, seen] -> [B, kv, seen, G*n]: a key head's share from all its query heads in one matmul.
+        by_key = lambda t: t.transpose(0, 1, 4, 2, 3).reshape(b, kv, seen, g * n)  # noqa: E731
+        pad = [(0, 0), (0, 0), (0, keys - seen), (0, 0)]
+        dk = dk + mx.pad(((by_key(ds) @ qb.reshape(b, kv, g * n, d)) * scale).astype(mx.float32), pad)
+        dv = dv + mx.pad((by_key(p.astype(q.dtype)) @ dob.reshape(b, kv, g * n, -1)).astype(mx.float32), pad)
+    dq = dq[0] if len(dq) == 1 else mx.concatenate(dq, axis=3)
+    return dq.reshape(q.shape).astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+
+
+def ordered_attention(q: mx.array, k: mx.array, v: mx.array, scale: float, mask: Any = None) -> mx.array:
+    """mx.fast's attention (same forward, same arguments) differentiated by `ordered_backward`: the same steps
+    give the same gradients bit for bit on every run, where cuDNN's backward sums dQ in arrival order."""
+    sdpa = mx.fast.scaled_dot_product_attention
+    array_mask = mask is not None and not isinstance(mask, str)
+
+    @mx.custom_function
+    def fn(q: mx.array, k: mx.array, v: mx.array, *m: mx.array) -> mx.array:
+        return sdpa(q, k, v, scale=scale, mask=m[0] if m else mask)
+
+    @fn.vjp
+    def fn_vjp(primals: list[mx.array], cotangent: mx.array, output: mx.array) -> tuple[mx.array, ...]:
+        q, k, v, *m = primals
+        grads = ordered_backward(q, k, v, scale, m[0] if m else mask, cotangent)
+        return (*grads, *(mx.zeros_like(x) for x in m))
+
+    return fn(q, k, v, mask) if array_mask else fn(q, k, v)
+
+
+def attend(queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: Any,
+           ordered: bool = False) -> mx.array:
     """Scaled dot-product attention of q [B, H, L, D], k/v [B, kv heads, L, D] under any mask the engine builds.
 
     SplitRows and ExclusionMask run as causal attentions (above); anything else ("causal", None, an array)
-    goes to mx.fast's attention as it is, the call mlx-lm's layers make without a cache.
+    goes to mx.fast's attention as it is, the call mlx-lm's layers make without a cache. `ordered`: each
+    attention is `ordered_attention` (a backward in a fixed order).
     """
-    sdpa = mx.fast.scaled_dot_product_attention
+    sdpa = ordered_attention if ordered else mx.fast.scaled_dot_product_attention
     if isinstance(mask, SplitRows):
         causal = lambda q, k, v: sdpa(q, k, v, scale=scale, mask="causal")  # noqa: E731
         return split_attention(causal, queries, keys, values, mask)

@@ -176,8 +176,10 @@ def softcapped_attention(attn: nn.Module, queries: mx.array, keys: mx.array, val
     return out.reshape(b, attn.n_heads, length, attn.head_dim) if attn.repeats > 1 else out
 
 
-def attention(family: Family, attn: nn.Module, x: mx.array, mask: Any, positions: mx.array | None) -> mx.array:
-    """A layer's self-attention of x [B, L, H] under `mask` (anything `attend` takes), RoPE at `positions`."""
+def attention(family: Family, attn: nn.Module, x: mx.array, mask: Any, positions: mx.array | None,
+              ordered: bool = False) -> mx.array:
+    """A layer's self-attention of x [B, L, H] under `mask` (anything `attend` takes), RoPE at `positions`;
+    `ordered` as `attend` takes it."""
     b, length, _ = x.shape
     queries, keys, values = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
     if family.qk_norm == "heads":
@@ -196,16 +198,17 @@ def attention(family: Family, attn: nn.Module, x: mx.array, mask: Any, positions
     if family.softcap:
         out = softcapped_attention(attn, queries, keys, values, mask)
     else:
-        out = attend(queries, keys, values, attn.scale, mask)
+        out = attend(queries, keys, values, attn.scale, mask, ordered)
     return attn.o_proj(out.transpose(0, 2, 1, 3).reshape(b, length, -1))
 
 
 def decoder_layer(family: Family, layer: nn.Module, x: mx.array, mask: Any, positions: mx.array | None,
-                  mlp: Callable[[mx.array], mx.array]) -> mx.array:
-    """One decoder layer of x [B, L, H]: attention under `mask` at `positions`, then `mlp` (the layer's, or a
-    stand-in computing the same, orpo.engine.tiled), with the family's norms and residual adds."""
+                  mlp: Callable[[mx.array], mx.array], ordered: bool = False) -> mx.array:
+    """One decoder layer of x [B, L, H]: attention under `mask` at `positions` (`ordered`: as `attend` takes it),
+    then `mlp` (the layer's, or a stand-in computing the same, orpo.engine.tiled), with the family's norms and
+    residual adds."""
     add = family.residual
-    r = attention(family, layer.self_attn, layer.input_layernorm(x), mask, positions)
+    r = attention(family, layer.self_attn, layer.input_layernorm(x), mask, positions, ordered)
     if family.sandwich:
         h = add(x, layer.post_attention_layernorm(r))
         return add(h, layer.post_feedforward_layernorm(mlp(layer.pre_feedforward_layernorm(h))))
@@ -214,9 +217,11 @@ def decoder_layer(family: Family, layer: nn.Module, x: mx.array, mask: Any, posi
 
 
 def run_layers(family: Family, layers: Sequence[nn.Module], h: mx.array, masks: Sequence[Any],
-               positions: mx.array | None, mlps: Sequence[Callable[[mx.array], mx.array]] | None = None) -> mx.array:
-    """`layers` in order on h, layer i under masks[i] (and mlps[i], else its own mlp); positions [B, L] or None."""
+               positions: mx.array | None, mlps: Sequence[Callable[[mx.array], mx.array]] | None = None,
+               ordered: bool = False) -> mx.array:
+    """`layers` in order on h, layer i under masks[i] (and mlps[i], else its own mlp); positions [B, L] or None;
+    `ordered`: each attention differentiated in a fixed order (orpo.engine.attention.ordered_attention)."""
     flat = None if positions is None else positions.reshape(-1)
     for i, layer in enumerate(layers):
-        h = decoder_layer(family, layer, h, masks[i], flat, layer.mlp if mlps is None else mlps[i])
+        h = decoder_layer(family, layer, h, masks[i], flat, layer.mlp if mlps is None else mlps[i], ordered)
     return h

@@ -88,14 +88,18 @@ def trainables_replaced(modules: Sequence[nn.Module], arrays: Sequence[mx.array]
 
 
 class Stack:
-    """The parts of one mlx-lm model: embed, run layers a..b with chosen masks and positions, final norm."""
+    """The parts of one mlx-lm model: embed, run layers a..b with chosen masks and positions, final norm.
 
-    def __init__(self, model: nn.Module):
+    `ordered`: attention differentiated in a fixed order (orpo.engine.attention.ordered_attention).
+    """
+
+    def __init__(self, model: nn.Module, ordered: bool = False):
         check_mlx_lm()
         self.family = family_of(model)
         check_parts(model, self.family)
         self.layer_family = FAMILIES[self.family]
         self.model = model
+        self.ordered = ordered
         self.inner = model.model
         self.layers = list(self.inner.layers)
         self.windows = self._windows()
@@ -159,7 +163,8 @@ class Stack:
             mlps: Sequence[Callable[[mx.array], mx.array]] | None = None) -> mx.array:
         """Layers start..stop-1 on hidden states h: masks[i] for layer i, RoPE at `positions` ([B, L]; the
         layout's, None for plain rows), and mlps[i - start] in place of layer i's own MLP where given."""
-        return run_layers(self.layer_family, self.layers[start:stop], h, masks[start:stop], positions, mlps)
+        return run_layers(self.layer_family, self.layers[start:stop], h, masks[start:stop], positions, mlps,
+                          self.ordered)
 
     def norm(self, h: mx.array) -> mx.array:
         """The final norm."""

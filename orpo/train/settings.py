@@ -36,9 +36,9 @@ class LoraSettings:
 class EngineSettings:
     """train.engine: how the step computes (all choices give the same loss and gradients within float tolerance).
 
-    As configured, `prefix_sharing` and `compile` may be "auto" and `width_multiple` 0 (auto); resolved
-    (`orpo.train.step.resolve_engine`), the first two are booleans and `width_multiple` is the multiple used
-    (0 stays: the loader's 16-token rounding).
+    As configured, `prefix_sharing`, `compile` and `attention_backward` may be "auto" and `width_multiple` 0
+    (auto); resolved (`orpo.train.step.resolve_engine`), the first two are booleans, `attention_backward` fused
+    or ordered and `width_multiple` the multiple used (0 stays: the loader's 16-token rounding).
     """
 
     head: str
@@ -47,6 +47,7 @@ class EngineSettings:
     mlp_chunks: int
     prefix_sharing: bool | str
     prefix_attention: str
+    attention_backward: str
     width_multiple: int
     compile: bool | str
     overlap: int
@@ -56,7 +57,7 @@ class EngineSettings:
     @property
     def resolved(self) -> bool:
         """Whether the machine's choices are made (no `auto` left that the step would have to decide)."""
-        return self.prefix_sharing != "auto" and self.compile != "auto"
+        return "auto" not in (self.prefix_sharing, self.compile, self.attention_backward)
 
     @property
     def input_multiple(self) -> int | None:

@@ -39,10 +39,13 @@ def resolve_engine(engine: EngineSettings) -> EngineSettings:
     """`engine` with this machine's choices made for its `auto` values (once per run: the run records them)."""
     # compile: faster on CUDA (bench/README.md); on the CPU each new shape's first call pays a trace and a C++ build.
     # prefix_sharing: on everywhere, faster and smaller on the CPU and on CUDA (bench/README.md).
+    # attention_backward: ordered where the fused backward sums with atomics (a GPU), so replay is bit-exact.
+    ordered = "ordered" if mx.default_device() != mx.cpu else "fused"
     return dataclasses.replace(
         engine,
         compile=on_cuda() if engine.compile == "auto" else engine.compile,
         prefix_sharing=True if engine.prefix_sharing == "auto" else engine.prefix_sharing,
+        attention_backward=ordered if engine.attention_backward == "auto" else engine.attention_backward,
         width_multiple=engine.width_multiple or (CUDA_ATTENTION_MULTIPLE if on_cuda() else 0))
 
 
@@ -180,7 +183,7 @@ def packed_loss(logp: mx.array, packed: PackedPairs, n: int,
 def whole_loss(model: nn.Module, packed: PackedPairs, n: int, loss: PairLoss | float,
                e: EngineSettings) -> tuple[mx.array, dict[str, mx.array]]:
     """The loss and metrics of n pairs' packed rows through the whole stack and the head (one graph)."""
-    hidden = Stack(model).hidden(packed.layout)
+    hidden = Stack(model, e.attention_backward == "ordered").hidden(packed.layout)
     return packed_loss(packed_token_logps(lm_head_of(model), hidden, packed, e), packed, n, loss)
 
 
@@ -268,7 +271,7 @@ def _segmented(model: nn.Module, packed: PackedPairs, n: int, loss: PairLoss, e:
     The head is read from the model inside each function, so where it trains (full-parameter training) the
     segmented backward's replaced arrays are the ones differentiated.
     """
-    stack = Stack(model)
+    stack = Stack(model, e.attention_backward == "ordered")
     if e.mlp_chunks > 1:
         refuse_mlp_dropout(stack.layers)
 

@@ -52,6 +52,11 @@ class Generator:
         return max(0, min(max_tokens, self.context - prompt_tokens))
 
 
+# Prompts prefilled together while the others decode (mlx-lm's own default): a prefill's activations are
+# [prompts, prompt length, H], so a larger one costs memory for long prompts and gains little.
+PREFILL_BATCH = 8
+
+
 # config.json keys that state a model's position limit, in the order they are tried.
 CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "n_ctx")
 
@@ -203,8 +208,10 @@ def generate_counted(
     try:
         for start in range(0, len(order), settings["batch_size"]):
             chunk = order[start : start + settings["batch_size"]]
+            # mlx-lm decodes at most completion_batch_size sequences at once (32 unless told): the whole chunk here.
             out = batch_generate(gen.model, gen.wrapper, [prompts[i] for i in chunk],
-                                 max_tokens=[budgets[i] for i in chunk], sampler=sampler, return_token_ids=True)
+                                 max_tokens=[budgets[i] for i in chunk], sampler=sampler, return_token_ids=True,
+                                 completion_batch_size=len(chunk), prefill_batch_size=min(len(chunk), PREFILL_BATCH))
             batch_tokens = 0
             for i, text, ids in zip(chunk, out.texts, out.token_ids):
                 texts[i], counts[i] = text, len(ids)

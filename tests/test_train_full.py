@@ -469,3 +469,40 @@ def test_two_ranks_train_every_weight_as_one_process_with_twice_the_batch(tiny_b
     assert done.returncode == 0, done.stderr
     record = json.loads(out.read_text())
     assert record["equal"] and record["processes"] == 2 and record["from_step"] == 4, record
+
+
+DPO_FULL = {**FULL, "objective": "dpo", "max_steps": 4, "epochs": 1}
+
+
+def test_full_dpo_takes_its_reference_from_a_frozen_copy_of_the_start(bf16_base, short, tmp_path):
+    """train.method full with dpo: the reference is the starting weights, frozen, a second copy (predicted with the
+    memory); its log-probs equal the base model's own (the oracle: mlx-lm's forward of the folder); the loss starts
+    at ln 2 (policy = reference) and leaves it as the policy trains while the copy stays bit for bit; the run
+    replays bit for bit."""
+    import math
+
+    from orpo.engine.head import response_mean_logps
+    from orpo.train.data import pair_batch
+    from orpo.train.footprint import predict_memory
+    from orpo.train.step import reference_logps
+
+    sess = build_session(bf16_base, short, train_settings(DPO_FULL), dtype="bfloat16")
+    assert sess.reference is not None and not tree_flatten(sess.reference.trainable_parameters())
+    start = {k: np.array(v.astype(mx.float32)) for k, v in tree_flatten(sess.reference.parameters())}
+    predicted = predict_memory(sess)
+    assert predicted["bytes"]["reference"] == predicted["bytes"]["weights"]
+    base, _ = load(str(bf16_base))
+    batch = sess.prepare(1)[0]
+    pairs = sess.train.select(sess.micro_batches(1)[0])
+    want = np.array(response_mean_logps(base, *pair_batch(pairs, list(range(len(pairs))))).astype(mx.float32))
+    got = np.array(reference_logps(sess.model, batch, sess.engine, sess.reference).astype(mx.float32))
+    np.testing.assert_allclose(got, want, atol=0.05)  # bf16: two forwards' rounding (naive vs packed rows)
+    losses = [sess.step(step)["loss"] for step in range(1, 5)]
+    assert losses[0] == pytest.approx(math.log(2), abs=0.02) and abs(losses[-1] - math.log(2)) > 0.02, losses
+    assert all(np.array_equal(start[k], np.array(v.astype(mx.float32)))
+               for k, v in tree_flatten(sess.reference.parameters()))
+    assert any(not np.array_equal(start[k], np.array(v.astype(mx.float32)))
+               for k, v in tree_flatten(sess.model.parameters()))
+    run = tmp_path / "run"
+    train(bf16_base, short, run, train_settings(DPO_FULL), dtype="bfloat16")
+    assert replay(run, bf16_base, short, 4, "zero")["equal"]

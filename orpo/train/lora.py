@@ -70,8 +70,7 @@ def adapters_off(model: nn.Module) -> Iterator[None]:
     layers = [m for _, m in model.named_modules() if isinstance(m, LoRALinear)]
     if not layers:
         raise ValueError("train.objective dpo takes its reference from the model with its LoRA adapters off, and "
-                         "this model has none (train.method full would need a frozen reference copy, which is not "
-                         "built): use train.method lora")
+                         "this model has none (train.method full passes its frozen copy instead)")
     for m in layers:
         m.bypass = True
     try:

@@ -10,7 +10,8 @@ so each engine setting serves each objective:
 - orpo_margin: NLL(chosen) + λ · SimPO's term (ORPO's anchor with a target margin γ).
 - sft_simpo: NLL(chosen) + SimPO's term.
 - dpo (Rafailov et al. 2023): -log σ(β_dpo ((s_w - s_w_ref) - (s_r - s_r_ref))) on summed log-probs, the
-  reference's from the same model with its adapters off (no gradient).
+  reference's (no gradient) from the same model with its LoRA adapters off, or in full-parameter training
+  from a frozen copy of the starting weights.
 """
 
 from __future__ import annotations
@@ -46,11 +47,7 @@ class Objective:
 
     @classmethod
     def of(cls, s) -> Objective:
-        """The objective a TrainSettings names (dpo refused for full-parameter training: no reference copy)."""
-        if s.objective == "dpo" and s.method == "full":
-            raise ValueError("train.objective dpo with train.method full: the reference is the model with its LoRA "
-                             "adapters off, and a frozen reference copy for full-parameter training is not built; "
-                             "use train.method lora")
+        """The objective a TrainSettings names."""
         return cls(s.objective, s.beta, s.gamma, s.dpo_beta)
 
 

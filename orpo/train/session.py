@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import sys
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -94,6 +95,7 @@ class Session:
     init_adapter: dict[str, str] | None = None
     shard: Shard = field(default_factory=Shard)
     precision: Precision | None = None  # the dtype the model computes in (model.dtype), and why
+    reference: nn.Module | None = None  # dpo's frozen starting weights in full-parameter training
     # Distinct micro-batch shapes seen (each a compiled trace when the engine compiles).
     signatures: set = field(default_factory=set)
     _update: tuple[int, Callable] | None = field(default=None, repr=False)
@@ -151,7 +153,8 @@ class Session:
             def micro(j: int, sums: dict[str, mx.array]) -> tuple[dict[str, mx.array], Any]:
                 self.keys.at(step, j)  # dropout masks of this micro-batch: keyed by (seed, step, j, module)
                 self.signatures.add(batches[j].signature())
-                (_, metrics), grads = batch_value_and_grad(self.model, batches[j], loss, self.engine, sums)
+                (_, metrics), grads = batch_value_and_grad(self.model, batches[j], loss, self.engine, sums,
+                                                           self.reference)
                 return metrics, grads
 
             seen = len(self.signatures)
@@ -205,8 +208,9 @@ class Session:
             nll += [] if nll_logp is None else [nll_logp]
             counts.append(scored_counts(batch).reshape(2, -1))
             if self.objective.needs_reference:
-                with adapters_off(self.model):
-                    ref_w, ref_r, _ = pair_scores(self.model, batch, self.engine, tight=self.resolved.tight_rows)
+                net = self.model if self.reference is None else self.reference
+                with adapters_off(self.model) if self.reference is None else nullcontext():
+                    ref_w, ref_r, _ = pair_scores(net, batch, self.engine, tight=self.resolved.tight_rows)
                     mx.eval(ref_w, ref_r)
                 ref.append(mx.stack([ref_w, ref_r]))
         # [chosen of every batch; rejected of every batch], as pair_objective reads them
@@ -244,8 +248,13 @@ def build_session(base_dir: str | Path, rendered_dir: str | Path, settings: Trai
         resolved = resolve_run(settings, model)
     s = resolved.settings
     keys = shard.dropout_keys(s.seed)
+    reference = None
     if s.method == "full":
         adapter_config = start_full(model, s, model_dir)
+        if s.objective == "dpo":  # DPO's reference: the starting weights, frozen (the model's own copy trains)
+            reference, _, _ = load_model(model_dir, dtype, announce=False)
+            reference.freeze()
+            reference.eval()
     else:
         adapter_config = apply_lora(model, s.lora, s.seed, keys)
     init = None
@@ -265,4 +274,5 @@ def build_session(base_dir: str | Path, rendered_dir: str | Path, settings: Trai
     rule = (s.schedule, s.lr, len(schedule), warmup_steps_for(len(schedule), s.warmup), s.weight_decay)
     opt = (full_adamw(*rule, s.bias_correction) if is_full(adapter_config)
            else lora_adamw(*rule, s.lora.plus_ratio, s.bias_correction))
-    return Session(resolved, model, opt, adapter_config, train, schedule, keys, init, shard, precision=precision)
+    return Session(resolved, model, opt, adapter_config, train, schedule, keys, init, shard, precision=precision,
+                   reference=reference)

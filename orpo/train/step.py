@@ -187,37 +187,46 @@ def whole_loss(model: nn.Module, packed: PackedPairs, n: int, loss: PairLoss | f
     return packed_loss(packed_token_logps(lm_head_of(model), hidden, packed, e), packed, n, loss)
 
 
-def reference_logps(model: nn.Module, batch: MicroBatch, engine: EngineSettings) -> mx.array:
-    """Mean response log-probs [2n] of a micro-batch's sequences with the LoRA adapters off: the reference model
-    (dpo), one forward without gradients through the batch's own rows."""
-    with adapters_off(model):
+def reference_logps(model: nn.Module, batch: MicroBatch, engine: EngineSettings,
+                    reference: nn.Module | None = None) -> mx.array:
+    """Mean response log-probs [2n] of a micro-batch's sequences under the reference model (dpo): `reference` (a
+    frozen copy, full-parameter training), else `model` with its LoRA adapters off; one forward without
+    gradients through the batch's own rows."""
+
+    def logps(net: nn.Module) -> mx.array:
         if batch.plain is not None:
-            logps = response_mean_logps(model, *batch.plain)
+            out = response_mean_logps(net, *batch.plain)
         else:
             packed = batch.packed
-            logps = packed.weights @ packed_token_logps(lm_head_of(model), Stack(model).hidden(packed.layout),
-                                                        packed, engine)
-        logps = mx.stop_gradient(logps)
-        mx.eval(logps)  # while the adapters are off
-    return logps
+            out = packed.weights @ packed_token_logps(lm_head_of(net), Stack(net).hidden(packed.layout), packed, engine)
+        out = mx.stop_gradient(out)
+        mx.eval(out)  # while the adapters are off
+        return out
+
+    if reference is not None:
+        return logps(reference)
+    with adapters_off(model):
+        return logps(model)
 
 
 # --- loss -> gradients ---
 
 
 def batch_value_and_grad(model: nn.Module, batch: MicroBatch, loss: PairLoss | float, engine: EngineSettings,
-                         into: dict[str, mx.array] | None = None) -> tuple[tuple[mx.array, dict[str, mx.array]], Any]:
+                         into: dict[str, mx.array] | None = None,
+                         reference: nn.Module | None = None) -> tuple[tuple[mx.array, dict[str, mx.array]], Any]:
     """((loss, metrics), grads) of the objective `loss` names (a number: ORPO's λ) over a prepared micro-batch;
     metrics as pair_objective's plus prefix_fallbacks (the pairs whose prompts differ: no sharing for them).
 
     grads has the tree structure of model.trainable_parameters(), as nn.value_and_grad gives it. Given running
-    sums `into` (gradient accumulation), the gradients are added into them and grads are the sums.
+    sums `into` (gradient accumulation), the gradients are added into them and grads are the sums. `reference`:
+    dpo's reference model where it is not `model` with its adapters off (reference_logps).
     """
     e = engine
     n = batch.n
     loss = pair_loss_of(loss)
     if loss.objective.needs_reference and loss.ref is None:
-        loss = dataclasses.replace(loss, ref=reference_logps(model, batch, e))
+        loss = dataclasses.replace(loss, ref=reference_logps(model, batch, e, reference))
     if batch.plain is not None:
         (value, metrics), grads = nn.value_and_grad(model, naive_pair_loss)(model, *batch.plain, n, loss,
                                                                             batch.plain_nll)

@@ -14,7 +14,7 @@ from orpo.io import sha256_file
 from orpo.settings import as_dict, field_keys, schema_keys
 from orpo.train.checkpoint import read_index
 from orpo.train.settings import (DistributedSettings, EngineSettings, LoraSettings, Machine, TrainSettings,
-                                 train_settings)
+                                 recorded_run, train_settings)
 from orpo.train.step import resolve_engine
 from orpo.train.trainer import replay, train
 
@@ -43,6 +43,17 @@ def test_auto_is_decided_once_for_the_run():
     e = resolve_engine(train_settings({}).engine)
     assert e.resolved and e.compile is False and e.prefix_sharing is True and e.width_multiple == 0  # the CPU
     assert resolve_engine(train_settings({"engine": {"compile": True, "width_multiple": 24}}).engine).compile is True
+    assert e.attention_backward == "fused"  # the CPU's backward sums in order; a GPU's auto is "ordered"
+
+
+def test_a_record_from_before_attention_backward_replays_as_it_ran(two_forward_run, tiny_base, short, tmp_path):
+    """A run recorded without train.engine.attention_backward ran mx.fast's backward: it replays with that."""
+    def older(record):
+        del record["settings"]["engine"]["attention_backward"], record["resolved"]["settings"]["engine"]["attention_backward"]
+
+    old = edit_record(two_forward_run, tmp_path, "older", older)
+    assert recorded_run(old)[1].settings.engine.attention_backward == "fused"
+    assert replay(old, tiny_base, short, "final", "zero")["equal"]
 
 
 SHORT = {"batch_size": 2, "max_steps": 4, "checkpoint_every": 2, "log_every": 1, "lr": 0.003,

@@ -178,6 +178,15 @@ class Machine:
         return f"{self.backend} ({self.device or 'unnamed device'}, mlx {self.mlx})"
 
 
+def recorded_backward(settings: Mapping[str, Any]) -> Mapping[str, Any]:
+    """Recorded train settings, `engine.attention_backward: fused` where a run recorded before that setting existed
+    (mx.fast's backward is what it ran)."""
+    engine = settings.get("engine")
+    if not isinstance(engine, Mapping) or "attention_backward" in engine:
+        return settings
+    return {**settings, "engine": {**engine, "attention_backward": "fused"}}
+
+
 @dataclass(frozen=True)
 class ResolvedRun:
     """The settings a run uses, every `auto` decided once, and the machine that decided them.
@@ -197,7 +206,7 @@ class ResolvedRun:
     @classmethod
     def from_json(cls, record: Mapping[str, Any], where: str = "settings.json resolved") -> ResolvedRun:
         try:
-            return cls(from_mapping(TrainSettings, record["settings"], f"{where}.settings"),
+            return cls(from_mapping(TrainSettings, recorded_backward(record["settings"]), f"{where}.settings"),
                        bool(record["tight_rows"]), Machine(**record["machine"]))
         except (KeyError, TypeError) as e:
             raise ValueError(f"{where}: not a resolved-settings record ({e})") from None
@@ -228,7 +237,7 @@ def recorded_run(run_dir: str | Path) -> tuple[TrainSettings, ResolvedRun | None
     """
     path = Path(run_dir) / "settings.json"
     record = json.loads(path.read_text())
-    settings = from_mapping(TrainSettings, record["settings"], f"{path}: settings")
+    settings = from_mapping(TrainSettings, recorded_backward(record["settings"]), f"{path}: settings")
     if "resolved" not in record:
         return settings, None, record
     resolved = ResolvedRun.from_json(record["resolved"], f"{path}: resolved")

@@ -11,6 +11,11 @@ def cuda_available() -> bool:
     return cuda is not None and cuda.is_available()
 
 
+def on_gpu() -> bool:
+    """Whether arrays go to a GPU (CUDA or Metal), whose scatter-adds and attention backward sum with atomics."""
+    return mx.default_device() != mx.cpu
+
+
 def on_cuda() -> bool:
     """Whether arrays go to a CUDA GPU: the default device is the GPU and the build is a CUDA one."""
     return mx.default_device().type == mx.gpu and cuda_available()

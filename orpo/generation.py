@@ -52,8 +52,8 @@ class Generator:
         return max(0, min(max_tokens, self.context - prompt_tokens))
 
 
-# Prompts prefilled together while the others decode (mlx-lm's own default): a prefill's activations are
-# [prompts, prompt length, H], so a larger one costs memory for long prompts and gains little.
+# Prompts prefilled together while the others decode: mlx-lm's own default (a prefill's activations are
+# [prompts, prompt length, H]).
 PREFILL_BATCH = 8
 
 

@@ -6,7 +6,7 @@ so a full-parameter run's embedding, and all that follows from it, differs betwe
 steps. Here the gradient is a one-hot matmul over vocabulary chunks instead (fixed order, float32
 accumulation, no host synchronisation, so it traces under mx.compile): 2·V·H·M FLOPs for M looked-up
 tokens beside the step's ~6·P·M (P parameters), V·H/(3·P) more: 0.6% at Mistral-7B's shape. The CPU's
-scatter-add runs in order at O(M·H), so `gpu_scatter_is_unordered` says where the swap is needed.
+scatter-add runs in order at O(M·H), so the swap is needed on GPUs only (orpo.device.on_gpu).
 """
 
 from __future__ import annotations
@@ -47,11 +47,6 @@ class SummedEmbedding(nn.Embedding):
 
     def __call__(self, x: mx.array) -> mx.array:
         return lookup(self.weight, x)
-
-
-def gpu_scatter_is_unordered() -> bool:
-    """Whether MLX computes on a GPU here (CUDA or Metal), whose scatter-add sums with atomics."""
-    return mx.default_device() != mx.cpu
 
 
 def with_summed_embeddings(model: nn.Module) -> list[str]:

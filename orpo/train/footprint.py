@@ -106,7 +106,7 @@ def predict_memory(sess: Any) -> dict[str, Any]:
     dtype = norm.weight.dtype if norm is not None and "weight" in norm else mx.float32
     head_trains = any(k.startswith(("lm_head.", "model.embed_tokens.")) for k, _ in
                       tree_flatten(sess.model.trainable_parameters()))
-    if getattr(sess, "reference", None) is not None:  # dpo's frozen copy (full-parameter training)
+    if sess.reference is not None:  # dpo's frozen copy (full-parameter training)
         parts["reference"] = sum(v.nbytes for _, v in tree_flatten(sess.reference.parameters()))
     parts["activations"] = activation_bytes(sess.model.args, dtype, rows, width, scored, engine, head_trains, on_cuda())
     parts["peak"] = sum(parts.values())

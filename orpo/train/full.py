@@ -21,7 +21,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from orpo.engine.embedding import gpu_scatter_is_unordered, with_summed_embeddings
+from orpo.device import on_gpu
+from orpo.engine.embedding import with_summed_embeddings
 from orpo.io import sha256_file
 from orpo.optim import FlatAdamW, lr_schedule
 from orpo.train.settings import TrainSettings
@@ -73,7 +74,7 @@ def apply_full(model: nn.Module, settings: dict[str, Any]) -> dict[str, Any]:
     frozen = frozen_modules(model, freeze)
     for path in frozen:
         modules[path].freeze()
-    if gpu_scatter_is_unordered():  # a repeated token's rows summed in a fixed order: replay stays bit-exact
+    if on_gpu():  # a repeated token's rows summed in a fixed order: replay stays bit-exact
         with_summed_embeddings(model)
     trainable = tree_flatten(model.trainable_parameters())
     if not trainable:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import sys
-from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -32,11 +31,11 @@ from orpo.train.distributed import Shard, join
 from orpo.train.full import full_adamw, is_full, start_full
 from orpo.train.keys import DropoutKeys
 from orpo.train.lambdas import ConstantLambda, LambdaController, lambda_schedule
-from orpo.train.lora import adapter_folder, adapters_off, apply_lora, warm_start
+from orpo.train.lora import adapter_folder, apply_lora, warm_start
 from orpo.train.objectives import Objective, PairLoss, pair_objective
 from orpo.train.settings import EngineSettings, Machine, ResolvedRun, TrainSettings
-from orpo.train.step import (MicroBatch, batch_value_and_grad, check_attention, pair_scores, prepare, resolve_engine,
-                             tight_rows_fit)
+from orpo.train.step import (MicroBatch, batch_value_and_grad, check_attention, pair_scores, prepare,
+                             reference_model, resolve_engine, tight_rows_fit)
 
 
 class TrainingError(RuntimeError):
@@ -208,8 +207,7 @@ class Session:
             nll += [] if nll_logp is None else [nll_logp]
             counts.append(scored_counts(batch).reshape(2, -1))
             if self.objective.needs_reference:
-                net = self.model if self.reference is None else self.reference
-                with adapters_off(self.model) if self.reference is None else nullcontext():
+                with reference_model(self.model, self.reference) as net:
                     ref_w, ref_r, _ = pair_scores(net, batch, self.engine, tight=self.resolved.tight_rows)
                     mx.eval(ref_w, ref_r)
                 ref.append(mx.stack([ref_w, ref_r]))

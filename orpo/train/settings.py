@@ -178,13 +178,17 @@ class Machine:
         return f"{self.backend} ({self.device or 'unnamed device'}, mlx {self.mlx})"
 
 
-def recorded_backward(settings: Mapping[str, Any]) -> Mapping[str, Any]:
-    """Recorded train settings, `engine.attention_backward: fused` where a run recorded before that setting existed
-    (mx.fast's backward is what it ran)."""
-    engine = settings.get("engine")
-    if not isinstance(engine, Mapping) or "attention_backward" in engine:
-        return settings
-    return {**settings, "engine": {**engine, "attention_backward": "fused"}}
+# Settings added after runs were recorded, by section: the value such a run computed with.
+ADDED_SINCE_RECORDED: dict[str, dict[str, Any]] = {"engine": {"attention_backward": "fused"}}
+
+
+def as_recorded(settings: Mapping[str, Any]) -> Mapping[str, Any]:
+    """Recorded train settings with each key of ADDED_SINCE_RECORDED a run's record lacks set to what it ran with."""
+    out = dict(settings)
+    for section, added in ADDED_SINCE_RECORDED.items():
+        if isinstance(out.get(section), Mapping):
+            out[section] = {**added, **out[section]}
+    return out
 
 
 @dataclass(frozen=True)
@@ -206,7 +210,7 @@ class ResolvedRun:
     @classmethod
     def from_json(cls, record: Mapping[str, Any], where: str = "settings.json resolved") -> ResolvedRun:
         try:
-            return cls(from_mapping(TrainSettings, recorded_backward(record["settings"]), f"{where}.settings"),
+            return cls(from_mapping(TrainSettings, as_recorded(record["settings"]), f"{where}.settings"),
                        bool(record["tight_rows"]), Machine(**record["machine"]))
         except (KeyError, TypeError) as e:
             raise ValueError(f"{where}: not a resolved-settings record ({e})") from None
@@ -237,7 +241,7 @@ def recorded_run(run_dir: str | Path) -> tuple[TrainSettings, ResolvedRun | None
     """
     path = Path(run_dir) / "settings.json"
     record = json.loads(path.read_text())
-    settings = from_mapping(TrainSettings, recorded_backward(record["settings"]), f"{path}: settings")
+    settings = from_mapping(TrainSettings, as_recorded(record["settings"]), f"{path}: settings")
     if "resolved" not in record:
         return settings, None, record
     resolved = ResolvedRun.from_json(record["resolved"], f"{path}: resolved")

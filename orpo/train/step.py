@@ -12,6 +12,8 @@ others are tested against.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,7 +21,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from orpo.device import on_cuda
+from orpo.device import on_cuda, on_gpu
 from orpo.engine.attention import CUDNN_MAX_HEAD_DIM, exclusion_fits
 from orpo.engine.compiled import kept, layout_arrays, layout_from
 from orpo.engine.head import (LMHead, fused_logp_eager, lm_head_of, mean_logps_from_logits, response_mean_logps,
@@ -40,7 +42,7 @@ def resolve_engine(engine: EngineSettings) -> EngineSettings:
     # compile: faster on CUDA (bench/README.md); on the CPU each new shape's first call pays a trace and a C++ build.
     # prefix_sharing: on everywhere, faster and smaller on the CPU and on CUDA (bench/README.md).
     # attention_backward: ordered where the fused backward sums with atomics (a GPU), so replay is bit-exact.
-    ordered = "ordered" if mx.default_device() != mx.cpu else "fused"
+    ordered = "ordered" if on_gpu() else "fused"
     return dataclasses.replace(
         engine,
         compile=on_cuda() if engine.compile == "auto" else engine.compile,
@@ -187,26 +189,31 @@ def whole_loss(model: nn.Module, packed: PackedPairs, n: int, loss: PairLoss | f
     return packed_loss(packed_token_logps(lm_head_of(model), hidden, packed, e), packed, n, loss)
 
 
+@contextmanager
+def reference_model(model: nn.Module, reference: nn.Module | None = None) -> Iterator[nn.Module]:
+    """dpo's reference model while inside: `reference` (a frozen copy, full-parameter training), else `model`
+    with its LoRA adapters off."""
+    if reference is not None:
+        yield reference
+        return
+    with adapters_off(model):
+        yield model
+
+
 def reference_logps(model: nn.Module, batch: MicroBatch, engine: EngineSettings,
                     reference: nn.Module | None = None) -> mx.array:
-    """Mean response log-probs [2n] of a micro-batch's sequences under the reference model (dpo): `reference` (a
-    frozen copy, full-parameter training), else `model` with its LoRA adapters off; one forward without
-    gradients through the batch's own rows."""
-
-    def logps(net: nn.Module) -> mx.array:
+    """Mean response log-probs [2n] of a micro-batch's sequences under the reference model (`reference_model`),
+    one forward without gradients through the batch's own rows."""
+    with reference_model(model, reference) as net:
         if batch.plain is not None:
-            out = response_mean_logps(net, *batch.plain)
+            logps = response_mean_logps(net, *batch.plain)
         else:
             packed = batch.packed
-            out = packed.weights @ packed_token_logps(lm_head_of(net), Stack(net).hidden(packed.layout), packed, engine)
-        out = mx.stop_gradient(out)
-        mx.eval(out)  # while the adapters are off
-        return out
-
-    if reference is not None:
-        return logps(reference)
-    with adapters_off(model):
-        return logps(model)
+            logps = packed.weights @ packed_token_logps(lm_head_of(net), Stack(net).hidden(packed.layout), packed,
+                                                        engine)
+        logps = mx.stop_gradient(logps)
+        mx.eval(logps)  # while the adapters are off
+    return logps
 
 
 # --- loss -> gradients ---

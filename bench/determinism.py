@@ -34,6 +34,7 @@ from engine import LORA, build_model
 from engine_shapes import MISTRAL_7B
 from mlx.utils import tree_flatten
 
+import orpo.engine.attention as attention_module
 from orpo.engine.embedding import lookup, with_summed_embeddings
 from orpo.train.data import Pairs
 from orpo.train.lora import apply_lora
@@ -71,6 +72,7 @@ def embedding_part(vocab: int, hidden: int, tokens: int, repeats: int) -> dict:
 
 
 STEP_VARIANTS = ("model-fused", "summed-fused", "summed-ordered", "lora-fused", "lora-ordered")
+DEFAULT_BLOCK_SCORES = attention_module.ORDERED_BLOCK_SCORES
 
 
 def step_part(layers: int, hidden: int, vocab: int, repeats: int, segment_layers: int, variants: list[str]) -> dict:
@@ -91,6 +93,9 @@ def step_part(layers: int, hidden: int, vocab: int, repeats: int, segment_layers
            "prompt": prompt, "response": response, "segment_layers": engine.segment_layers, "compile": engine.compile}
     for name in variants:
         trains, attention = name.split("-")
+        # "ordered@24": the ordered backward's blocks of at most 2^24 scores (attention.ORDERED_BLOCK_SCORES)
+        attention, _, log2 = attention.partition("@")
+        attention_module.ORDERED_BLOCK_SCORES = 2 ** int(log2) if log2 else DEFAULT_BLOCK_SCORES
         model = build_model(shape, 0)
         if trains == "lora":
             apply_lora(model, LORA, 0)
@@ -126,7 +131,8 @@ def main() -> None:
     ap.add_argument("--segment-layers", type=int, default=0, help="train.engine.segment_layers (0: as resolved)")
     ap.add_argument("--parts", default="embedding,step", help="which parts to run, comma-separated")
     ap.add_argument("--variants", default=",".join(STEP_VARIANTS),
-                    help="the step part's variants, comma-separated: {model,summed,lora}-{fused,ordered}")
+                    help="the step part's variants, comma-separated: {model,summed,lora}-{fused,ordered}, "
+                         "ordered@N for blocks of at most 2^N scores")
     ap.add_argument("--json", type=Path)
     a = ap.parse_args()
     result = {"device": str(mx.default_device()), "mlx": mx.__version__}

@@ -60,12 +60,13 @@ from orpo.train.step import PLAIN, pair_value_and_grad, resolve_engine
 ENGINE_DEFAULTS: dict[str, Any] = {**section_defaults("train")["engine"], **PLAIN, "width_multiple": 1, "compile": False}
 LORA = lora_settings({"rank": 16, "dropout": 0.0,
                       "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]})
-BENCH_KEYS = ("eager",)  # a case's keys of its own (not train.engine's)
+BENCH_KEYS = ("eager", "bits")  # a case's keys of its own (not train.engine's); bits: a quantized base (QLoRA)
+OVERLAY: dict[str, Any] = {}  # --engine: train.engine keys set for every case (a case's own keys win)
 
 
 def engine_of(case: Case) -> EngineSettings:
     """A case's engine settings, resolved on this machine as a run resolves them."""
-    e = {k: v for k, v in {**ENGINE_DEFAULTS, **case.engine}.items() if k not in BENCH_KEYS}
+    e = {k: v for k, v in {**ENGINE_DEFAULTS, **OVERLAY, **case.engine}.items() if k not in BENCH_KEYS}
     return resolve_engine(engine_settings(e))
 LAMBDA = 0.1
 GB = 1e9
@@ -109,10 +110,14 @@ def _timed(step: Callable[[], Any], steps: int, warmup: int) -> tuple[dict[str, 
 
 
 def step_inputs(case: Case, seed: int) -> tuple[nn.Module, Pairs]:
-    """A step case's model (random init, LoRA, train mode) and its random pairs."""
+    """A step case's model (random init, quantized when the case says `bits` (QLoRA), LoRA, train mode) and its
+    random pairs."""
     from orpo.train.lora import apply_lora
 
     model = build_model(case.shape, seed)
+    if case.engine.get("bits"):  # as `mlx_lm.convert -q` does: every Linear and the embedding, groups of 64
+        nn.quantize(model, group_size=64, bits=case.engine["bits"])
+        mx.eval(model.parameters())
     apply_lora(model, LORA, seed)
     model.train()
     return model, random_pairs(case.shape, seed)
@@ -164,6 +169,36 @@ def run_head_case(case: Case, steps: int, warmup: int, seed: int) -> dict[str, A
     return {**out, "path": path, "loss": loss.item(), "tokens_per_s": m / out["step_s"]}
 
 
+def matmul_tflops(dtype: str, n: int, repeats: int = 20) -> float:
+    """This device's dense matmul rate, TFLOP/s: an [n, n] x [n, n] product in `dtype`, after two warm-ups."""
+    a, b = (mx.random.normal((n, n)).astype(getattr(mx, dtype)) for _ in range(2))
+    for _ in range(2):
+        mx.eval(a @ b)
+    t0 = time.perf_counter()
+    for _ in range(repeats):
+        mx.eval(a @ b)
+    return 2 * n**3 * repeats / (time.perf_counter() - t0) / 1e12
+
+
+def probe(dtype: str, timeout: int) -> float | None:
+    """matmul_tflops in a fresh subprocess (the parent holds no device memory); None where it fails."""
+    n = 8192 if cuda_available() else 1024
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--probe", f"{dtype}:{n}"]
+    try:
+        proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+        return float(proc.stdout.strip().splitlines()[-1])
+    except (subprocess.TimeoutExpired, ValueError, IndexError):
+        return None
+
+
+def mfu(shape: dict[str, Any], prefix_sharing: bool, step_s: float | None, tflops: float | None,
+        method: str = "lora") -> float | None:
+    """Model FLOPs utilisation of a step over `shape`'s batch: Shape.step_flops / its time / the probed rate."""
+    if not (step_s and tflops):
+        return None
+    return Shape(**shape).step_flops(method, prefix_sharing) / step_s / (tflops * 1e12)
+
+
 def child_main(case_json: str, steps: int, warmup: int, seed: int) -> None:
     """Run one case in this process and print its result as the last line of JSON."""
     case = Case.from_json(json.loads(case_json))
@@ -174,7 +209,7 @@ def child_main(case_json: str, steps: int, warmup: int, seed: int) -> None:
 def run_case(case: Case, steps: int, warmup: int, seed: int, timeout: int) -> dict[str, Any]:
     """A case's result from a fresh subprocess; a crash or timeout becomes a 'failed' note, not an exception."""
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", json.dumps(case.to_json()),
-           "--steps", str(steps), "--warmup", str(warmup), "--seed", str(seed)]
+           "--steps", str(steps), "--warmup", str(warmup), "--seed", str(seed), "--engine", json.dumps(OVERLAY)]
     try:
         proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
     except subprocess.TimeoutExpired:
@@ -260,15 +295,22 @@ def measure(cases: list[Case], steps: int, warmup: int, seed: int, timeout: int,
     return records
 
 
-def report(suite_name: str, records: list[dict[str, Any]], peer: str | None, seconds: float) -> list[dict[str, Any]]:
-    """Print the table (with the peer's rows when given) and the suite's targets; return the checks."""
+def report(suite_name: str, records: list[dict[str, Any]], peer: str | None, seconds: float,
+           tflops: float | None = None) -> list[dict[str, Any]]:
+    """Print the table (with the peer's rows and MFU when given) and the suite's targets; return the checks."""
     rows = [_row(r["name"], r["baseline"], r["result"]) for r in records]
+    for row, r in zip(rows, records):
+        if r["kind"] == "step":
+            row["mfu"] = mfu(r["shape"], r["engine_resolved"]["prefix_sharing"] is True, row.get("step_s"), tflops)
     if peer:
-        rows += peer_rows(peer, suite_name, [Case.from_json(r) for r in records])
+        shapes = {f"peer:{c['name']}": c["shape"] for c in json.loads(Path(peer).read_text())["cases"]}
+        rows += [{**row, "mfu": mfu(shapes[row["name"]], False, row.get("step_s"), tflops)}
+                 for row in peer_rows(peer, suite_name, [Case.from_json(r) for r in records])]
     checks = ratio_checks(SUITES[suite_name].checks, {r["name"]: r for r in rows if not r.get("note")})
     print()
+    rate = f"; MFU against {tflops:.3g} TFLOP/s measured by a matmul probe in this run" if tflops else ""
     print(format_table(rows, f"ORPO engine, suite {suite_name} ({seconds:.0f} s), ratios to each row's baseline "
-                             "(naive at the same shape)"))
+                             f"(naive at the same shape){rate}"))
     if checks:
         print("targets:")
         print(format_checks(checks))
@@ -289,8 +331,16 @@ def main() -> None:
     ap.add_argument("--peer", help="bench/peer_liger.py's --json of the same suite: its rows join the table and targets")
     ap.add_argument("--report", metavar="ENGINE_JSON", help="measure nothing: print the table of a saved --json run "
                                                             "(with --peer: joined with the peer's)")
+    ap.add_argument("--engine", default="{}", help="train.engine keys for every case as JSON, e.g. "
+                                                   "'{\"attention_backward\": \"fused\"}' (a case's own keys win)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
+    ap.add_argument("--probe", help=argparse.SUPPRESS)
     a = ap.parse_args()
+    OVERLAY.update(json.loads(a.engine))
+    if a.probe:
+        dtype, n = a.probe.split(":")
+        print(matmul_tflops(dtype, int(n)), flush=True)
+        return
     if a.child:
         child_main(a.child, a.steps, a.warmup, a.seed)
         return
@@ -299,7 +349,7 @@ def main() -> None:
         env = saved["environment"]
         print(f"saved run {a.report}: MLX {env['versions'].get('mlx')}, device {env['device']}"
               + (f" ({env['gpu']})" if env.get("gpu") else ""))
-        report(saved["suite"], saved["cases"], a.peer, saved["seconds"])
+        report(saved["suite"], saved["cases"], a.peer, saved["seconds"], env.get("matmul_tflops"))
         return
     reexec_with_openblas([], sys.argv)
 
@@ -308,10 +358,13 @@ def main() -> None:
     a.warmup = suite.warmup if a.warmup is None else a.warmup
     cases = select_cases(a.shape, a.variants, a.dtype)
     env = environment()
+    env["matmul_tflops"] = probe(cases[0].shape.dtype, a.timeout) if cases else None
     print(f"MLX {env['versions'].get('mlx')} (mlx-lm {env['versions'].get('mlx-lm')}), device {env['device']}"
           + (f", mx.cuda.is_available() = {env['cuda_available']}" if "cuda_available" in env else "")
           + (f", {env['gpu']}" if env.get("gpu") else "") + f", Python {env['python']}, {env['cpu_count']} CPUs"
-          + (", OpenBLAS preloaded" if "openblas" in env["ld_preload"].lower() else ""), flush=True)
+          + (", OpenBLAS preloaded" if "openblas" in env["ld_preload"].lower() else "")
+          + (f", {cases[0].shape.dtype} matmul {env['matmul_tflops']:.1f} TFLOP/s" if env["matmul_tflops"] else ""),
+          flush=True)
     print(f"suite {a.shape}: {len(cases)} variant(s), {a.warmup} warm-up + {a.steps} timed steps each, one process each",
           flush=True)
     t0 = time.time()
@@ -321,11 +374,12 @@ def main() -> None:
             from orpo.io import write_json
 
             write_json(a.json, {"bench": "engine", "suite": a.shape, "steps": a.steps, "warmup": a.warmup,
-                                "seed": a.seed, "lambda": LAMBDA, "lora": as_dict(LORA), "environment": env, "cases": records,
+                                "seed": a.seed, "lambda": LAMBDA, "lora": as_dict(LORA), "engine": OVERLAY,
+                                "environment": env, "cases": records,
                                 "checks": checks, "complete": checks is not None, "seconds": time.time() - t0})
 
     records = measure(cases, a.steps, a.warmup, a.seed, a.timeout, save)
-    checks = report(a.shape, records, a.peer, time.time() - t0)
+    checks = report(a.shape, records, a.peer, time.time() - t0, env["matmul_tflops"])
     save(records, checks)
     if a.json:
         print(f"wrote {a.json}")

@@ -52,6 +52,36 @@ class Shape:
         """Tokens of one step counted as two forwards ([prompt; chosen] and [prompt; rejected]) per pair."""
         return sum(2 * (p + self.response) for p in self.prompt_lengths())
 
+    def linear_params(self) -> int:
+        """Weights of the decoder's seven projections over all layers (what every stack token multiplies)."""
+        d, a, kv = self.hidden, self.heads * (self.head_dim or self.hidden // self.heads), \
+            self.kv_heads * (self.head_dim or self.hidden // self.heads)
+        return self.layers * (2 * d * a + 2 * d * kv + 3 * d * self.intermediate)
+
+    def step_flops(self, method: str = "lora", prefix_sharing: bool = True) -> float:
+        """Model FLOPs of one ORPO step over this batch (value and gradients; no recompute, padding or update).
+
+        Matmuls only, 2 FLOPs a multiply-add: each stack token through the projections (forward, the input's
+        gradient, and for `full` the weights' gradient), causal attention over the (query, key) pairs each row
+        sees (4 x heads x head_dim a pair forward, twice that backward), the head on the scored response tokens.
+        Prefix sharing runs the prompt once per pair (rejected's rows attend to it); without it, twice.
+        """
+        passes = 3 if method == "full" else 2  # LoRA: the frozen weights need no gradient (adapters: < 1%)
+        attn = 4 * self.heads * (self.head_dim or self.hidden // self.heads)
+        r = self.response
+        stack = pairs = 0
+        for p in self.prompt_lengths():
+            causal = (p + r) * (p + r + 1) // 2
+            if prefix_sharing:
+                stack += p + 2 * r
+                pairs += causal + r * p + r * (r + 1) // 2
+            else:
+                stack += 2 * (p + r)
+                pairs += 2 * causal
+        head = 2 * self.hidden * self.vocab * 2 * r * self.pairs
+        return (2 * self.linear_params() * stack * passes + 3 * attn * pairs * self.layers
+                + head * (3 if method == "full" else 2))
+
 
 @dataclass(frozen=True)
 class Case:
@@ -166,6 +196,16 @@ def _main_cases(shape: Shape, segment_layers: int, limit_gb: float, sweep_gb: tu
          for gb in sweep_gb for depth in (1, 4)]
 
 
+def _lora_7b_cases(shape: Shape, limit_gb: float) -> list[Case]:
+    """The CUDA default step and the lean recipe (limit: the peer's checkpointed peak), bf16 base and QLoRA."""
+    default = {"head": "fused", "prefix_sharing": True, "width_multiple": 128, "compile": True}
+    lean = {**default, "head_chunk": 256, "segment_layers": 1, "mlp_chunks": 4, "overlap": 1, "memory_limit_gb": limit_gb}
+    return [Case("default", shape, engine=default, baseline="default"),
+            Case("lean", shape, engine=lean, baseline="default"),
+            Case("qlora4-default", shape, engine={**default, "bits": 4}, baseline="default"),
+            Case("qlora4-lean", shape, engine={**lean, "bits": 4}, baseline="default")]
+
+
 def _head_suite(base: Shape, small_vocab: int, large_vocab: int, tokens: int, chunk: int) -> Suite:
     """The head alone (hidden -> logp, grad w.r.t. hidden) at two vocab sizes, `tokens` response tokens.
 
@@ -273,6 +313,9 @@ SUITES: dict[str, Suite] = {
     "h200-head": _head_suite(LLAMA_1B, 32000, 256000, 8192, 1024),
     "h200-segments": _segment_suite(LLAMA_1B, 8, 32, 4),
     "h200-prefix": _prefix_suite(LLAMA_1B, 512),
+    # LoRA at Mistral-7B's geometry: the default step and the lean recipe, each on the bf16 base and on a 4-bit one.
+    "h200-7b": Suite(_lora_7b_cases(MISTRAL_7B, 20.0), steps=5, warmup=2),
+    "cpu-7b": replace(Suite(_lora_7b_cases(CPU_SMALL, 0.1)), **CPU_RUN),
     # Mistral-7B's geometry at 4 pairs of 512 + 512 and of 1024 + 1024 (2048-token pairs): the shapes of
     # `bench/trainer.py --geometry mistral-7b --method full`'s fixed cases, for the peer's full-parameter runs.
     "mistral-7b": Suite([Case("naive", MISTRAL_7B), Case("naive-2048", replace(MISTRAL_7B, prompt=1024, response=1024))]),
@@ -325,12 +368,14 @@ def _ratio(row: dict[str, Any], base: dict[str, Any], key: str) -> str:
 def format_table(rows: list[dict[str, Any]], title: str) -> str:
     """The table both benchmarks print: tokens/s, peak and extra memory, each with its ratio to the row's baseline.
 
-    A row: name, path, tokens_per_s, peak_gb, extra_gb, step_s, baseline (name), note (why it failed).
+    A row: name, path, tokens_per_s, peak_gb, extra_gb, step_s, baseline (name), note (why it failed), and
+    optionally mfu (a column where any row has one).
     """
     by_name = {r["name"]: r for r in rows}
+    with_mfu = any(r.get("mfu") is not None for r in rows)
     w = max([len("variant")] + [len(r["name"]) for r in rows]) + 1
     head = f"{'variant':<{w}}{'path':<24}{'tokens/s':>11}{'x base':>8}{'peak GB':>9}{'x base':>8}" \
-           f"{'extra GB':>10}{'x base':>8}{'step s':>9}"
+           f"{'extra GB':>10}{'x base':>8}{'step s':>9}" + (f"{'MFU':>7}" if with_mfu else "")
     lines = [title, head, "-" * len(head)]
     for r in rows:
         if r.get("note"):
@@ -339,7 +384,8 @@ def format_table(rows: list[dict[str, Any]], title: str) -> str:
         base = by_name.get(r.get("baseline") or "", {})
         x = {k: _ratio(r, base, k) for k in ("tokens_per_s", "peak_gb", "extra_gb")}
         lines.append(f"{r['name']:<{w}}{r['path']:<24}{r['tokens_per_s']:>11.0f}{x['tokens_per_s']}"
-                     f"{r['peak_gb']:>9.3f}{x['peak_gb']}{r['extra_gb']:>10.3f}{x['extra_gb']}{r['step_s']:>9.3f}")
+                     f"{r['peak_gb']:>9.3f}{x['peak_gb']}{r['extra_gb']:>10.3f}{x['extra_gb']}{r['step_s']:>9.3f}"
+                     + ((f"{r['mfu']:>7.1%}" if r.get("mfu") is not None else f"{'-':>7}") if with_mfu else ""))
     return "\n".join(lines)
 
 

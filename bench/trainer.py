@@ -360,9 +360,10 @@ def main() -> None:
     n_pairs = a.pairs or (4096 if gpu else 128)
     warm = gpu if a.warm == "auto" else a.warm == "yes"
     engine = json.loads(a.engine)
-    from engine import environment
+    from engine import environment, mfu, probe
 
     env = environment()
+    env["matmul_tflops"] = probe(shape.dtype, a.timeout)
     print(f"{a.geometry}: {env['device']} {env.get('gpu', '')}, MLX {env['versions'].get('mlx')}", flush=True)
     work = Path(a.work or tempfile.mkdtemp(prefix="orpo-trainer-bench-"))
     model = work / "model"
@@ -404,8 +405,11 @@ def main() -> None:
         p, c, r = (sum(x[i] for x in lengths) / len(lengths) for i in range(3))
         res["mean_lengths"] = [round(p, 1), round(c, 1), round(r, 1)]
         res["batch"], res["grad_accum"] = batch, accum
+        at = replace(shape, prompt=round(p), response=round((c + r) / 2), pairs=batch)
+        if name != "ultrafeedback" and "step_s" in res and "engine_resolved" in res:  # one shape: its FLOPs
+            res["mfu"] = mfu(at.__dict__, res["engine_resolved"]["prefix_sharing"] is True, res["step_s"] / accum,
+                             env["matmul_tflops"], a.method)
         if name in ("fixed", "mean") and not a.no_engine_bench:
-            at = replace(shape, prompt=round(p), response=round((c + r) / 2), pairs=batch)
             res["engine_bench"] = engine_bench(at, a.timeout)
         results["cases"][name] = res
         predicted = (res.get("memory_predicted") or {}).get("peak")
@@ -450,9 +454,11 @@ def main() -> None:
 def format_report(results: dict[str, Any]) -> str:
     """The cases as one table, the engine bench beside the fixed shapes, then the profile."""
     head = (f"{'case':<14}{'P/C/R mean':>17}{'s/step':>9}{'row tok/s':>11}{'2-fwd tok/s':>12}{'padding':>9}"
-            f"{'shapes':>7}{'traces':>7}{'peak GB':>9}{'cache GB':>9}{'engine s/step':>14}{'x engine':>9}")
+            f"{'shapes':>7}{'traces':>7}{'peak GB':>9}{'cache GB':>9}{'engine s/step':>14}{'x engine':>9}{'MFU':>7}")
     trains = "every weight (full)" if results.get("method") == "full" else "LoRA rank 16 x 7 projections"
-    lines = [f"orpo train, {results['geometry']} ({results['environment']['device']}), {trains}",
+    rate = results["environment"].get("matmul_tflops")
+    lines = [f"orpo train, {results['geometry']} ({results['environment']['device']}), {trains}"
+             + (f"; MFU: model FLOPs (bench/engine_shapes.py Shape.step_flops) against {rate:.3g} TFLOP/s probed" if rate else ""),
              head, "-" * len(head)]
     for name, r in results["cases"].items():
         if "step_s" not in r:
@@ -466,7 +472,8 @@ def format_report(results: dict[str, Any]) -> str:
         mean = "/".join(f"{v:.0f}" for v in r["mean_lengths"])
         lines.append(f"{name:<14}{mean:>17}{r['step_s']:>9.3f}{r['row_tokens_per_s']:>11.0f}"
                      f"{r['two_forward_tokens_per_s']:>12.0f}{r['padding']:>9.3f}{r.get('shapes') or 0:>7}"
-                     f"{r.get('traces') or 0:>7}{r['peak_gb']:>9.2f}{r['cache_gb']:>9.2f}{e}{x}")
+                     f"{r.get('traces') or 0:>7}{r['peak_gb']:>9.2f}{r['cache_gb']:>9.2f}{e}{x}"
+                     + (f"{r['mfu']:>7.1%}" if r.get("mfu") is not None else f"{'-':>7}"))
     cases = results["cases"]
     for name, r in cases.items():
         predicted = r.get("memory_predicted")

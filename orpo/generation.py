@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from collections.abc import Mapping
@@ -13,6 +14,7 @@ from typing import Any, Callable, TextIO
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.generate import batch_generate
+from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import make_sampler
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_lm.utils import load_adapters
@@ -55,6 +57,51 @@ class Generator:
 # Prompts prefilled together while the others decode: mlx-lm's own default (a prefill's activations are
 # [prompts, prompt length, H]).
 PREFILL_BATCH = 8
+# Of the memory beside the weights, what a batch's KV cache may fill: the rest is the prefill's activations,
+# the sampler's [batch, V] logits and the cache's growth by 256-token steps (mlx-lm's).
+KV_MEMORY_FRACTION = 0.6
+KV_STEP = 256  # mlx-lm's caches grow by this many positions
+
+
+def kv_bytes_per_token(model: nn.Module) -> int:
+    """Bytes the model's cache holds per position of one sequence, measured on its own cache (every family and
+    dtype alike): the cache after 2 x KV_STEP prompt tokens minus the cache after KV_STEP, per token."""
+
+    def held(n: int) -> int:
+        cache = make_prompt_cache(model)
+        mx.eval(model(mx.zeros((1, n), mx.int32), cache=cache))
+        return sum(c.nbytes for c in cache)
+
+    return max(0, held(2 * KV_STEP) - held(KV_STEP)) // KV_STEP
+
+
+def memory_beside_weights() -> int:
+    """Bytes of the device's memory (the host's on the CPU) not held by live arrays now."""
+    total = mx.device_info().get("memory_size") or os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return max(0, int(total) - mx.get_active_memory())
+
+
+def chunk_by_memory(order: list[int], lengths: list[int], budgets: list[int], batch_size: int, per_token: int,
+                    cache_bytes: int) -> list[list[int]]:
+    """`order` cut into consecutive chunks of at most `batch_size` prompts whose KV cache fits `cache_bytes`.
+
+    A batch's cache is as long as its longest prompt plus its largest budget (shorter prompts are left-padded)
+    and rounded up to a KV_STEP: a chunk holds n x that x `per_token` bytes. A prompt too long to fit alone
+    still gets a chunk of its own (the cache then decides).
+    """
+    def positions(i: int) -> int:
+        return -(-(lengths[i] + budgets[i]) // KV_STEP) * KV_STEP
+
+    chunks: list[list[int]] = []
+    chunk: list[int] = []
+    longest = 0
+    for i in order:
+        if chunk and (len(chunk) == batch_size or (len(chunk) + 1) * max(longest, positions(i)) * per_token > cache_bytes):
+            chunks.append(chunk)
+            chunk, longest = [], 0
+        chunk.append(i)
+        longest = max(longest, positions(i))
+    return chunks + [chunk] if chunk else chunks
 
 
 # config.json keys that state a model's position limit, in the order they are tried.
@@ -189,11 +236,13 @@ def generate_batched(
 def generate_counted(
     gen: Generator, prompts: list[list[int]], settings: dict[str, Any],
     progress: Callable[[int, int], None] | None = None, label: str = "generate",
-    budgets: list[int] | None = None,
+    budgets: list[int] | None = None, cache_bytes: int | None = None,
 ) -> tuple[list[str], list[int], dict[str, Any]]:
     """generate_batched, also returning each prompt's generated token count; `budgets` are per-prompt max_tokens.
 
-    Without `budgets` every prompt may generate `settings["max_tokens"]` tokens.
+    Without `budgets` every prompt may generate `settings["max_tokens"]` tokens. Prompts run shortest first in
+    batches of at most `settings["batch_size"]`, fewer where their KV cache would pass `cache_bytes` (default:
+    KV_MEMORY_FRACTION of the memory beside the weights).
     """
     mx.random.seed(settings["seed"])
     sampler = make_sampler(temp=settings["temperature"], top_p=settings["top_p"])
@@ -201,13 +250,17 @@ def generate_counted(
     if len(budgets) != len(prompts):
         raise ValueError(f"{len(budgets)} budgets for {len(prompts)} prompts")
     order = sorted(range(len(prompts)), key=lambda i: (len(prompts[i]), i))
+    if cache_bytes is None:
+        cache_bytes = int(KV_MEMORY_FRACTION * memory_beside_weights())
+    chunks = chunk_by_memory(order, [len(p) for p in prompts], budgets, settings["batch_size"],
+                             kv_bytes_per_token(gen.model), cache_bytes)
     texts: list[str] = [""] * len(prompts)
     counts: list[int] = [0] * len(prompts)
     bar = None if progress else GenerationProgress(len(prompts), label)
     t0, tokens = time.time(), 0
     try:
-        for start in range(0, len(order), settings["batch_size"]):
-            chunk = order[start : start + settings["batch_size"]]
+        done = 0
+        for chunk in chunks:
             # mlx-lm decodes at most completion_batch_size sequences at once (32 unless told): the whole chunk here.
             out = batch_generate(gen.model, gen.wrapper, [prompts[i] for i in chunk],
                                  max_tokens=[budgets[i] for i in chunk], sampler=sampler, return_token_ids=True,
@@ -217,10 +270,13 @@ def generate_counted(
                 texts[i], counts[i] = text, len(ids)
                 batch_tokens += len(ids)
             tokens += batch_tokens
+            done += len(chunk)
+            del out
+            mx.clear_cache()  # the finished batch's cache buffers go back before the next batch's, of other sizes
             if bar is not None:
                 bar.update(len(chunk), batch_tokens)
             elif progress:
-                progress(min(start + len(chunk), len(order)), len(order))
+                progress(done, len(order))
     finally:
         if bar is not None:
             bar.close()

@@ -167,3 +167,60 @@ def test_a_batch_decodes_all_its_prompts_together(tiny_base):
     # Prompts join 8 at a time while the others decode and a few end early: 38 measured; mlx-lm alone caps at 32.
     assert max(gen.model.batches) > 32
     assert (texts, counts) == small[:2] and min(counts) > 0
+
+
+def test_the_kv_cache_per_token_is_measured_from_the_models_own_cache(tiny_base):
+    """2 (keys, values) x layers x KV heads x head dim x the dtype's bytes, as the folder's config states them."""
+    from orpo.generation import kv_bytes_per_token, load_generator
+
+    gen = load_generator(tiny_base)
+    c = json.loads((tiny_base / "config.json").read_text())
+    head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+    kv_heads = c.get("num_key_value_heads") or c["num_attention_heads"]
+    itemsize = gen.model.model.embed_tokens.weight.dtype.size
+    assert kv_bytes_per_token(gen.model) == 2 * c["num_hidden_layers"] * kv_heads * head_dim * itemsize
+
+
+def test_prompts_are_batched_by_the_memory_their_cache_takes():
+    """Each chunk: at most batch_size prompts, n x (longest prompt + largest budget, in 256-position steps) x
+    bytes per position within the budget; order kept; a prompt too long for the budget runs alone."""
+    from orpo.generation import chunk_by_memory
+
+    lengths = [10, 20, 30, 200, 240, 900, 5000]
+    budgets = [100] * len(lengths)
+    per_token, cache_bytes = 2, 2 * 1024  # 1024 positions in all
+    chunks = chunk_by_memory(list(range(7)), lengths, budgets, 3, per_token, cache_bytes)
+    # 3 by batch_size; two of 512 positions; 1000 -> 1024 alone; 5100 over the budget, alone all the same
+    assert chunks == [[0, 1, 2], [3, 4], [5], [6]]
+    assert chunk_by_memory(list(range(7)), lengths, budgets, 8, per_token, 10**9) == [list(range(7))]
+    for chunk in chunk_by_memory(list(range(7)), lengths, budgets, 8, per_token, 2 * 1024 * 4):
+        positions = max(-(-(lengths[i] + budgets[i]) // 256) * 256 for i in chunk)
+        assert len(chunk) == 1 or len(chunk) * positions * per_token <= 2 * 1024 * 4
+
+
+def test_generation_within_a_small_cache_budget_gives_the_same_responses(tiny_base):
+    """A cache budget of three sequences: no batch of the real model holds more than three, and the greedy
+    responses equal those of one unconstrained batch."""
+    from orpo.generation import generate_counted, kv_bytes_per_token, load_generator
+
+    gen = load_generator(tiny_base)
+    prompts = [gen.prompt_ids([{"role": "user", "content": f"Tell me about the cat number {i}."}]) for i in range(10)]
+    settings = {"max_tokens": 12, "temperature": 0.0, "top_p": 1.0, "seed": 0, "batch_size": 10}
+    whole = generate_counted(gen, prompts, settings)
+    positions = -(-(max(len(p) for p in prompts) + 12) // 256) * 256
+    model, batches = gen.model, []
+
+    class Recorded:
+        def __call__(self, x, *args, **kwargs):
+            batches.append(x.shape[0])
+            return model(x, *args, **kwargs)
+
+        def __getattr__(self, name):
+            return getattr(model, name)
+
+    per_token = kv_bytes_per_token(model)
+    gen.model = Recorded()
+    texts, counts, _ = generate_counted(gen, prompts, settings, cache_bytes=3 * positions * per_token)
+    decoding = [b for b in batches if b > 1]
+    assert decoding and max(decoding) == 3
+    assert (texts, counts) == whole[:2]

@@ -136,12 +136,13 @@ def _visible(scores: mx.array, mask: Any, first: int, offset: int) -> mx.array:
 
 
 def ordered_backward(q: mx.array, k: mx.array, v: mx.array, scale: float, mask: Any,
-                     cotangent: mx.array) -> tuple[mx.array, mx.array, mx.array]:
-    """Gradients of softmax attention (q [B, H, L, D], k [B, kv heads, keys, D], v's last dim its own) by query
-    blocks, in a fixed order.
+                     cotangent: mx.array, output: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+    """Gradients of softmax attention (q [B, H, L, D], k [B, kv heads, keys, D], v's last dim its own; `output`
+    the forward's result) by query blocks, in a fixed order.
 
     Each block recomputes its scores and softmax in float32 (causal blocks read only the keys they see), forms
-    dS = P * (dP - rowsum(P * dP)), and takes dQ, and its share of dK and dV, as matmuls in the input dtype;
+    dS = P * (dP - rowsum(P * dP)), where rowsum(P * dP) = rowsum(dO * O) is taken from the output (no pass over
+    the block's scores), and takes dQ, and its share of dK and dV, as matmuls in the input dtype;
     the shares are summed block after block in float32. GQA's query heads of one key head are one matmul's
     rows, so no gradient is summed across heads by a reduction either.
     """
@@ -150,6 +151,7 @@ def ordered_backward(q: mx.array, k: mx.array, v: mx.array, scale: float, mask: 
     g = h // kv
     offset = keys - length
     qg, dog = q.reshape(b, kv, g, length, d), cotangent.reshape(b, kv, g, length, v.shape[-1])
+    delta = (dog.astype(mx.float32) * output.reshape(dog.shape).astype(mx.float32)).sum(axis=-1, keepdims=True)
     rows = max(1, min(length, ORDERED_BLOCK_SCORES // max(1, b * h * keys)))
     dq, dk, dv = [], mx.zeros(k.shape, mx.float32), mx.zeros(v.shape, mx.float32)
     for first in range(0, length, rows):
@@ -160,7 +162,7 @@ def ordered_backward(q: mx.array, k: mx.array, v: mx.array, scale: float, mask: 
         scores = (qb.astype(mx.float32) @ kb.astype(mx.float32).swapaxes(-1, -2)) * scale
         p = mx.softmax(_visible(scores, mask, first, offset), axis=-1, precise=True)
         dp = dob.astype(mx.float32) @ vb.astype(mx.float32).swapaxes(-1, -2)
-        ds = (p * (dp - (p * dp).sum(axis=-1, keepdims=True))).astype(q.dtype)
+        ds = (p * (dp - delta[:, :, :, first:first + n])).astype(q.dtype)
         dq.append((ds @ kb) * scale)
         # [B, kv, G, n, seen] -> [B, kv, seen, G*n]: a key head's share from all its query heads in one matmul.
         by_key = lambda t: t.transpose(0, 1, 4, 2, 3).reshape(b, kv, seen, g * n)  # noqa: E731
@@ -184,7 +186,7 @@ def ordered_attention(q: mx.array, k: mx.array, v: mx.array, scale: float, mask:
     @fn.vjp
     def fn_vjp(primals: list[mx.array], cotangent: mx.array, output: mx.array) -> tuple[mx.array, ...]:
         q, k, v, *m = primals
-        grads = ordered_backward(q, k, v, scale, m[0] if m else mask, cotangent)
+        grads = ordered_backward(q, k, v, scale, m[0] if m else mask, cotangent, output)
         return (*grads, *(mx.zeros_like(x) for x in m))
 
     return fn(q, k, v, mask) if array_mask else fn(q, k, v)

@@ -164,8 +164,9 @@ def ordered_backward(q: mx.array, k: mx.array, v: mx.array, scale: float, mask: 
         dp = dob.astype(mx.float32) @ vb.astype(mx.float32).swapaxes(-1, -2)
         ds = (p * (dp - delta[:, :, :, first:first + n])).astype(q.dtype)
         dq.append((ds @ kb) * scale)
-        # [B, kv, G, n, seen] -> [B, kv, seen, G*n]: a key head's share from all its query heads in one matmul.
-        by_key = lambda t: t.transpose(0, 1, 4, 2, 3).reshape(b, kv, seen, g * n)  # noqa: E731
+        # [B, kv, G, n, seen] as [B, kv, G*n, seen], transposed as a view (no copy): a key head's share from all
+        # its query heads in one matmul.
+        by_key = lambda t: t.reshape(b, kv, g * n, seen).swapaxes(-1, -2)  # noqa: E731
         pad = [(0, 0), (0, 0), (0, keys - seen), (0, 0)]
         dk = dk + mx.pad(((by_key(ds) @ qb.reshape(b, kv, g * n, d)) * scale).astype(mx.float32), pad)
         dv = dv + mx.pad((by_key(p.astype(q.dtype)) @ dob.reshape(b, kv, g * n, -1)).astype(mx.float32), pad)

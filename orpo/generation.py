@@ -8,6 +8,7 @@ import sys
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any, Callable, TextIO
 
@@ -41,6 +42,11 @@ class Generator:
     context_source: str | None = None  # where `context` was read, e.g. "config.json max_position_embeddings"
     lead: tuple[int, ...] = ()  # ids every prompt starts with (render.add_bos), as in training
     precision: Precision | None = None  # the dtype the model computes in (model.dtype), and why
+
+    @cached_property
+    def kv_bytes_per_position(self) -> int:
+        """kv_bytes_per_token of the model, measured once per loaded model (a judge or SPIN generates many times)."""
+        return kv_bytes_per_token(self.model)
 
     def prompt_ids(self, messages: list[dict[str, Any]]) -> list[int]:
         """Token ids of the generation prompt for a conversation."""
@@ -253,7 +259,7 @@ def generate_counted(
     if cache_bytes is None:
         cache_bytes = int(KV_MEMORY_FRACTION * memory_beside_weights())
     chunks = chunk_by_memory(order, [len(p) for p in prompts], budgets, settings["batch_size"],
-                             kv_bytes_per_token(gen.model), cache_bytes)
+                             gen.kv_bytes_per_position, cache_bytes)
     texts: list[str] = [""] * len(prompts)
     counts: list[int] = [0] * len(prompts)
     bar = None if progress else GenerationProgress(len(prompts), label)

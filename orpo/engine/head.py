@@ -215,101 +215,6 @@ def _logp_chunks(head: LMHead, h: mx.array, targets: mx.array, chunk: int, forwa
     return mx.concatenate(logp), mx.concatenate(lse)
 
 
-def _hidden_cotangent(head: LMHead, h: mx.array, targets: mx.array, lse: mx.array, g: mx.array, g_lse: mx.array,
-                      chunk: int, backward: Callable, queue: EvalQueue | None) -> mx.array:
-    """d/dh of sum(g * logp + g_lse * lse), each chunk's logit block recomputed (the forward kept none)."""
-    dh = []
-    for s in range(0, h.shape[0], chunk):
-        e = slice(s, s + chunk)
-        x = head.project(h[e] if queue is not None else after(h[e], dh[-1:]))
-        d = head.back_project(backward(x, lse[e], targets[e], g[e], g_lse[e]))
-        if queue is not None:
-            queue.push(d)
-        dh.append(d)
-    if queue is not None:
-        queue.drain()
-    return mx.concatenate(dh).astype(h.dtype)
-
-
-def _all_cotangents(head: LMHead, h: mx.array, targets: mx.array, lse: mx.array, g: mx.array, g_lse: mx.array,
-                    chunk: int, backward: Callable, queue: EvalQueue | None
-                    ) -> tuple[mx.array, mx.array, mx.array | None]:
-    """(d/dh, d/dW, d/dbias) of sum(g * logp + g_lse * lse) for a trainable float head.
-
-    Each chunk's block gives its float32 dz once: dz W (in the head's dtype, as for a frozen head) for h, and
-    dz^T h added to a float32 [V, H] accumulator (float32 operands, so no chunk's part is rounded to the head's
-    dtype before the sum); dW and dbias are returned in the weight's dtype, as autodiff gives a gradient.
-    """
-    dh = []
-    dw = mx.zeros(head.weight.shape, mx.float32)
-    db = None if head.bias is None else mx.zeros(head.bias.shape, mx.float32)
-    for s in range(0, h.shape[0], chunk):
-        e = slice(s, s + chunk)
-        # Chained on both uses of the previous block's dz, so it is freed before this block is built.
-        hc = h[e] if queue is not None else after(h[e], [dw, *dh[-1:]])
-        x = head.project(hc)
-        dz = backward(x, lse[e], targets[e], g[e], g_lse[e])
-        d = head.back_project(dz.astype(x.dtype))
-        dw = mx.addmm(dw, dz.T, hc.astype(mx.float32))
-        if db is not None:
-            db = db + dz.sum(axis=0)
-        if queue is not None:
-            queue.push(d, dw, *([] if db is None else [db]))
-        dh.append(d)
-    if queue is not None:
-        queue.drain()
-    return (mx.concatenate(dh).astype(h.dtype), dw.astype(head.weight.dtype),
-            None if db is None else db.astype(head.bias.dtype))
-
-
-def _fused(head: LMHead, chunk: int) -> Callable:
-    """The custom function (h [M, H], targets [M]) -> (logp, logsumexp), with its chunked analytic vjp.
-
-    A trainable head's weight (and bias) are primals too, (h, targets, weight[, bias]), so the vjp returns
-    their cotangents and autodiff adds them to the weight's other uses (a tied embedding's lookup).
-    """
-    if head.trainable:
-        return _fused_trainable(head, chunk)
-    forward, backward = _forward_block(head.softcap), _grad_block(head.softcap)
-
-    @mx.custom_function
-    def logp_lse(h: mx.array, targets: mx.array) -> tuple[mx.array, mx.array]:
-        return _logp_chunks(head, h, targets, chunk, forward, None)
-
-    @logp_lse.vjp
-    def logp_lse_vjp(primals, cotangents, outputs):
-        h, targets = primals
-        g, g_lse = (c.astype(mx.float32) for c in cotangents)
-        return _hidden_cotangent(head, h, targets, outputs[1], g, g_lse, chunk, backward, None), None
-
-    return logp_lse
-
-
-def _fused_trainable(head: LMHead, chunk: int) -> Callable:
-    forward, backward = _forward_block(head.softcap), _grad_block(head.softcap, float32=True)
-    with_bias = head.bias is not None
-
-    def bound(weight: mx.array, bias: tuple[mx.array, ...]) -> LMHead:
-        return replace(head, weight=weight, bias=bias[0] if with_bias else None)
-
-    @mx.custom_function
-    def logp_lse(h: mx.array, targets: mx.array, weight: mx.array, *bias: mx.array) -> tuple[mx.array, mx.array]:
-        return _logp_chunks(bound(weight, bias), h, targets, chunk, forward, None)
-
-    @logp_lse.vjp
-    def logp_lse_vjp(primals, cotangents, outputs):
-        h, targets, weight, *bias = primals
-        g, g_lse = (c.astype(mx.float32) for c in cotangents)
-        dh, dw, db = _all_cotangents(bound(weight, bias), h, targets, outputs[1], g, g_lse, chunk, backward, None)
-        no_grad = mx.zeros_like(targets)  # a None before other cotangents would shift them (MLX 0.32)
-        return (dh, no_grad, dw, db) if with_bias else (dh, no_grad, dw)
-
-    def call(h: mx.array, targets: mx.array) -> tuple[mx.array, mx.array]:
-        return logp_lse(h, targets, head.weight, *([head.bias] if with_bias else []))
-
-    return call
-
-
 @dataclass(frozen=True)
 class HeadGrads:
     """Cotangents of the fused head's inputs: the hidden states [M, H] and, for a trainable head, its weight and bias."""
@@ -324,30 +229,80 @@ class HeadGrads:
         return {k: v for k, v in named.items() if v is not None}
 
 
+def _cotangents(head: LMHead, h: mx.array, targets: mx.array, lse: mx.array, g: mx.array, g_lse: mx.array,
+                chunk: int, queue: EvalQueue | None) -> HeadGrads:
+    """Cotangents of sum(g * logp + g_lse * lse), each chunk's logit block recomputed (the forward kept none).
+
+    A trainable head's block gives its float32 dz once: dz W (in the head's dtype) for h, and dz^T h added to a
+    float32 [V, H] accumulator (float32 operands: no chunk's part is rounded before the sum).
+    """
+    backward = _grad_block(head.softcap, float32=head.trainable)
+    dh = []
+    dw = mx.zeros(head.weight.shape, mx.float32) if head.trainable else None
+    db = mx.zeros(head.bias.shape, mx.float32) if head.trainable and head.bias is not None else None
+    for s in range(0, h.shape[0], chunk):
+        e = slice(s, s + chunk)
+        # Chained on every use of the previous block's dz, so it is freed before this block is built.
+        hc = h[e] if queue is not None else after(h[e], ([] if dw is None else [dw]) + dh[-1:])
+        x = head.project(hc)
+        dz = backward(x, lse[e], targets[e], g[e], g_lse[e])
+        d = head.back_project(dz if dw is None else dz.astype(x.dtype))
+        if dw is not None:
+            dw = mx.addmm(dw, dz.T, hc.astype(mx.float32))
+        if db is not None:
+            db = db + dz.sum(axis=0)
+        if queue is not None:
+            queue.push(d, *(a for a in (dw, db) if a is not None))
+        dh.append(d)
+    if queue is not None:
+        queue.drain()
+    return HeadGrads(mx.concatenate(dh).astype(h.dtype), None if dw is None else dw.astype(head.weight.dtype),
+                     None if db is None else db.astype(head.bias.dtype))
+
+
+def _fused(head: LMHead, chunk: int) -> Callable:
+    """The custom function (h [M, H], targets [M]) -> (logp, logsumexp), with its chunked analytic vjp.
+
+    A trainable head's weight (and bias) are primals too, so the vjp returns their cotangents and autodiff adds
+    them to the weight's other uses (a tied embedding's lookup).
+    """
+    forward = _forward_block(head.softcap)
+    params = [head.weight, *([] if head.bias is None else [head.bias])] if head.trainable else []
+
+    def bound(params: list[mx.array]) -> LMHead:
+        return replace(head, weight=params[0], bias=params[1] if len(params) > 1 else None) if params else head
+
+    @mx.custom_function
+    def logp_lse(h: mx.array, targets: mx.array, *params: mx.array) -> tuple[mx.array, mx.array]:
+        return _logp_chunks(bound(params), h, targets, chunk, forward, None)
+
+    @logp_lse.vjp
+    def logp_lse_vjp(primals, cotangents, outputs):
+        h, targets, *params = primals
+        g, g_lse = (c.astype(mx.float32) for c in cotangents)
+        grads = _cotangents(bound(params), h, targets, outputs[1], g, g_lse, chunk, None)
+        if not params:
+            return grads.hidden, None
+        no_grad = mx.zeros_like(targets)  # a None before other cotangents would shift them (MLX 0.32)
+        return (grads.hidden, no_grad, *(a for a in (grads.weight, grads.bias) if a is not None))
+
+    return lambda h, targets: logp_lse(h, targets, *params)
+
+
 def fused_logp_eager(head: LMHead, h: mx.array, targets: mx.array, chunk: int,
                      overlap: int = 0) -> tuple[mx.array, Callable[[mx.array], HeadGrads]]:
-    """(logp [M], grad_fn): the fused head evaluated chunk by chunk, outside autodiff.
+    """(logp [M], grad_fn): the fused head evaluated chunk by chunk, outside autodiff (the segmented backward).
 
-    For a caller that is not under a transform (the segmented backward): each chunk is evaluated before
-    the next is built, so one [chunk, V] block is alive at a time, not the backend's run-ahead window
-    (a lower step peak: bench/README.md). grad_fn(g) maps a cotangent
-    on logp [M] to the one on h [M, H] (and, for a trainable head, on its weight and bias), recomputing each
-    block, also chunk by chunk. Same math (the same compiled blocks) as fused_logp. `overlap` chunks may be
-    in flight at once (orpo.engine.queue).
+    Each chunk is evaluated before the next is built, so one [chunk, V] block is alive at a time, not the
+    backend's run-ahead window (a lower step peak: bench/README.md); `overlap` chunks may be in flight at once.
+    grad_fn(g) maps a cotangent on logp [M] to HeadGrads, recomputing each block, also chunk by chunk.
     """
     chunk = chunk_for(head.vocab_size, chunk)
-    forward = _forward_block(head.softcap)
-    logp, lse = _logp_chunks(head, h, targets, chunk, forward, EvalQueue(overlap))
+    logp, lse = _logp_chunks(head, h, targets, chunk, _forward_block(head.softcap), EvalQueue(overlap))
 
     def grad_fn(g: mx.array) -> HeadGrads:
         g = g.astype(mx.float32)
-        if head.trainable:
-            backward = _grad_block(head.softcap, float32=True)
-            return HeadGrads(*_all_cotangents(head, h, targets, lse, g, mx.zeros_like(g), chunk, backward,
-                                              EvalQueue(overlap)))
-        backward = _grad_block(head.softcap)
-        return HeadGrads(_hidden_cotangent(head, h, targets, lse, g, mx.zeros_like(g), chunk, backward,
-                                           EvalQueue(overlap)))
+        return _cotangents(head, h, targets, lse, g, mx.zeros_like(g), chunk, EvalQueue(overlap))
 
     return logp, grad_fn
 

@@ -22,7 +22,7 @@ from mlx_lm.models import llama
 from orpo.engine.head import response_mean_logps
 from orpo.train.lora import apply_lora
 from orpo.train.settings import lora_settings
-from orpo.train.step import orpo_loss
+from orpo.train.objectives import orpo_loss
 
 a = mx.random.normal((1024, 1024)); b = mx.random.normal((1024, 1024)); mx.eval(a, b)
 mx.eval(a @ b)

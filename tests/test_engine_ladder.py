@@ -24,7 +24,7 @@ from orpo.train.data import pair_batch
 from orpo.train.keys import DropoutKeys
 from orpo.train.lora import adapter_weights, apply_lora
 from orpo.train.settings import engine_settings, lora_settings, train_settings
-from orpo.train.step import PLAIN, pair_logps, pair_value_and_grad, resolve_engine
+from orpo.train.step import PLAIN, pair_scores, pair_value_and_grad, resolve_engine
 from orpo.train.step import naive_pair_loss as pair_loss
 from orpo.train.trainer import replay, train
 
@@ -187,7 +187,7 @@ def test_auto_settings_are_decided_by_the_device():
     with pytest.raises(ValueError, match="memory_limit_gb"):
         engine_settings({"memory_limit_gb": -1})
     with pytest.raises(ValueError, match="train.engine has auto values left"):  # the step never decides them
-        pair_logps(lora_model("llama")[0], random_pairs(1, 2), engine_settings({}))
+        pair_scores(lora_model("llama")[0], random_pairs(1, 2), engine_settings({}))
 
 
 def test_mlp_chunks_refuse_lora_dropout_on_the_mlp():
@@ -270,7 +270,7 @@ def test_validation_logps_match_the_naive_head(engine):
     model.eval()
     pairs = with_unshared_pair(random_pairs(6, 3), 7)
     want = np.array(response_mean_logps(model, *pair_batch(pairs, list(range(len(pairs))))))
-    chosen, rejected = pair_logps(model, pairs, ENGINES[engine])
+    chosen, rejected, _ = pair_scores(model, pairs, ENGINES[engine])
     np.testing.assert_allclose(np.concatenate([chosen, rejected]), want, rtol=LOSS_TOL)
 
 

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from orpo.engine.head import mean_logps_from_logits
-from orpo.train.step import log1mexp, orpo_loss
+from orpo.train.objectives import log1mexp, orpo_loss
 
 
 def np_mean_logps(logits, targets, scored):

@@ -30,7 +30,7 @@ from orpo.engine.segmented import Params, add_into, segmented_value_and_grad
 from orpo.engine.stack import Stack, head_dim_of
 from orpo.train.data import Pairs, pair_batch
 from orpo.train.lora import adapters_off, refuse_mlp_dropout
-from orpo.train.objectives import PairLoss, log1mexp, orpo_loss, orpo_terms, pair_loss_of, pair_objective  # noqa: F401
+from orpo.train.objectives import PairLoss, pair_loss_of, pair_objective
 from orpo.train.rows import PackedPairs, plain_rows, shared_rows
 from orpo.train.settings import EngineSettings
 
@@ -152,41 +152,52 @@ def packed_token_logps(head: LMHead, hidden: mx.array, packed: PackedPairs, engi
     return token_logp(head, scored_rows(hidden, packed), packed.targets, engine.head == "fused", engine.head_chunk)
 
 
-def packed_logps(head: LMHead, hidden: mx.array, packed: PackedPairs, engine: EngineSettings) -> mx.array:
-    """Mean response log-prob of each sequence [2B] (chosen rows, then rejected) from final hidden states."""
-    return packed.weights @ packed_token_logps(head, hidden, packed, engine)
+def sequence_logps(logp: mx.array, packed: PackedPairs) -> tuple[mx.array, mx.array | None]:
+    """Mean response log-probs [2B] (chosen rows, then rejected) from those of packed.targets, and the chosen
+    sequences' mean log-prob over the NLL span [B] where it is not the response."""
+    return packed.weights @ logp, None if packed.nll_weights is None else packed.nll_weights @ logp
+
+
+def packed_logps(model: nn.Module, packed: PackedPairs, engine: EngineSettings) -> tuple[mx.array, mx.array | None]:
+    """`sequence_logps` of packed rows through the whole stack and the head, one forward."""
+    hidden = Stack(model).hidden(packed.layout)
+    return sequence_logps(packed_token_logps(lm_head_of(model), hidden, packed, engine), packed)
 
 
 # --- log-probs -> loss (train.objective: orpo.train.objectives) ---
 
 
+def naive_logps(model: nn.Module, tokens: mx.array, mask: mx.array, n: int,
+                nll_mask: mx.array | None = None) -> tuple[mx.array, mx.array | None]:
+    """Mean response log-probs [2n] of a [chosen; rejected] batch from full logits, and the chosen rows' mean
+    log-prob over `nll_mask` [n, T] where given (prompt_nll_mask)."""
+    logits = model(tokens[:, :-1])
+    logps = mean_logps_from_logits(logits, tokens[:, 1:], mask[:, 1:])
+    if nll_mask is None:
+        return logps, None
+    return logps, mean_logps_from_logits(logits[:n], tokens[:n, 1:], nll_mask[:, 1:])
+
+
 def naive_pair_loss(model: nn.Module, tokens: mx.array, mask: mx.array, n: int, loss: PairLoss | float,
                     nll_mask: mx.array | None = None) -> tuple[mx.array, dict[str, mx.array]]:
     """The loss (`loss`: its objective and λ; a number is ORPO's λ) and metrics of a [chosen; rejected] batch of n
-    pairs, full logits (the trainer's original loss); `nll_mask` [n, T] the chosen rows' NLL tokens where they are
-    not the response's (prompt_nll_mask)."""
+    pairs, full logits (the trainer's original loss)."""
     counts = mask[:, 1:].astype(mx.float32).sum(axis=-1)
-    if nll_mask is None:
-        return pair_objective(loss, response_mean_logps(model, tokens, mask), counts)
-    logits = model(tokens[:, :-1])
-    logps = mean_logps_from_logits(logits, tokens[:, 1:], mask[:, 1:])
-    nll_logp = mean_logps_from_logits(logits[:n], tokens[:n, 1:], nll_mask[:, 1:])
+    logps, nll_logp = naive_logps(model, tokens, mask, n, nll_mask)
     return pair_objective(loss, logps, counts, nll_logp)
 
 
-def packed_loss(logp: mx.array, packed: PackedPairs, n: int,
-                loss: PairLoss | float) -> tuple[mx.array, dict[str, mx.array]]:
-    """The loss and metrics of n pairs from the log-probs of packed.targets."""
-    nll_logp = None if packed.nll_weights is None else packed.nll_weights @ logp
-    counts = (packed.weights > 0).astype(mx.float32).sum(axis=-1)
-    return pair_objective(loss, packed.weights @ logp, counts, nll_logp)
+def packed_loss(logp: mx.array, packed: PackedPairs, loss: PairLoss | float) -> tuple[mx.array, dict[str, mx.array]]:
+    """The loss and metrics of packed pairs from the log-probs of packed.targets."""
+    logps, nll_logp = sequence_logps(logp, packed)
+    return pair_objective(loss, logps, (packed.weights > 0).astype(mx.float32).sum(axis=-1), nll_logp)
 
 
-def whole_loss(model: nn.Module, packed: PackedPairs, n: int, loss: PairLoss | float,
+def whole_loss(model: nn.Module, packed: PackedPairs, loss: PairLoss | float,
                e: EngineSettings) -> tuple[mx.array, dict[str, mx.array]]:
-    """The loss and metrics of n pairs' packed rows through the whole stack and the head (one graph)."""
+    """The loss and metrics of packed rows through the whole stack and the head (one graph)."""
     hidden = Stack(model, e.attention_backward == "ordered").hidden(packed.layout)
-    return packed_loss(packed_token_logps(lm_head_of(model), hidden, packed, e), packed, n, loss)
+    return packed_loss(packed_token_logps(lm_head_of(model), hidden, packed, e), packed, loss)
 
 
 @contextmanager
@@ -208,9 +219,7 @@ def reference_logps(model: nn.Module, batch: MicroBatch, engine: EngineSettings,
         if batch.plain is not None:
             logps = response_mean_logps(net, *batch.plain)
         else:
-            packed = batch.packed
-            logps = packed.weights @ packed_token_logps(lm_head_of(net), Stack(net).hidden(packed.layout), packed,
-                                                        engine)
+            logps = packed_logps(net, batch.packed, engine)[0]
         logps = mx.stop_gradient(logps)
         mx.eval(logps)  # while the adapters are off
     return logps
@@ -240,12 +249,12 @@ def batch_value_and_grad(model: nn.Module, batch: MicroBatch, loss: PairLoss | f
         return (value, {**metrics, "prefix_fallbacks": mx.array(0.0)}), grads if into is None else add_into(into, grads)
     packed = batch.packed
     if e.segment_layers > 0:  # adds into the running sums segment by segment
-        (value, metrics), grads = _segmented(model, packed, n, loss, e, into)
+        (value, metrics), grads = _segmented(model, packed, loss, e, into)
     else:
         if e.compile:
-            (value, metrics), grads = _compiled_whole(model, packed, n, loss, e)
+            (value, metrics), grads = _compiled_whole(model, packed, loss, e)
         else:
-            (value, metrics), grads = nn.value_and_grad(model, lambda: whole_loss(model, packed, n, loss, e))()
+            (value, metrics), grads = nn.value_and_grad(model, lambda: whole_loss(model, packed, loss, e))()
         if into is not None:
             grads = add_into(into, grads)
     return (value, {**metrics, "prefix_fallbacks": mx.array(float(packed.fallbacks))}), grads
@@ -257,7 +266,7 @@ def pair_value_and_grad(model: nn.Module, pairs: Pairs, loss: PairLoss | float, 
     return batch_value_and_grad(model, prepare(pairs, engine, tight_rows_fit(model), nll_span), loss, engine)
 
 
-def _compiled_whole(model: nn.Module, packed: PackedPairs, n: int, loss: PairLoss,
+def _compiled_whole(model: nn.Module, packed: PackedPairs, loss: PairLoss,
                     e: EngineSettings) -> tuple[tuple[mx.array, dict[str, mx.array]], Any]:
     """nn.value_and_grad of `whole_loss` under mx.compile (the model's arrays are its implicit inputs; λ and the
     reference log-probs are inputs, so a λ that moves each step reuses the trace)."""
@@ -271,16 +280,16 @@ def _compiled_whole(model: nn.Module, packed: PackedPairs, n: int, loss: PairLos
                   nll: list[mx.array], lam: mx.array, ref: list[mx.array]) -> Any:
             p = PackedPairs(layout_from(structure, arrays), index, targets, weights, 0,
                             nll_weights=nll[0] if nll else None)
-            return whole_loss(model, p, n, PairLoss(loss.objective, lam, ref[0] if ref else None), e)
+            return whole_loss(model, p, PairLoss(loss.objective, lam, ref[0] if ref else None), e)
 
         return mx.compile(nn.value_and_grad(model, value), inputs=model.state, outputs=model.state)
 
-    key = ("whole", e, n, loss.objective, structure, len(nll), len(ref))
+    key = ("whole", e, loss.objective, structure, len(nll), len(ref))
     lam = mx.array(loss.lam, mx.float32)
     return kept(model, key, build)(arrays, packed.index, packed.targets, packed.weights, nll, lam, ref)
 
 
-def _segmented(model: nn.Module, packed: PackedPairs, n: int, loss: PairLoss, e: EngineSettings,
+def _segmented(model: nn.Module, packed: PackedPairs, loss: PairLoss, e: EngineSettings,
                into: dict[str, mx.array] | None = None) -> tuple[tuple[mx.array, dict[str, mx.array]], Any]:
     """((loss, metrics), grads) through the segmented backward; a fused head runs eagerly, chunk by chunk.
 
@@ -292,7 +301,7 @@ def _segmented(model: nn.Module, packed: PackedPairs, n: int, loss: PairLoss, e:
         refuse_mlp_dropout(stack.layers)
 
     def loss_of(logp: mx.array) -> tuple[mx.array, dict[str, mx.array]]:
-        return packed_loss(logp, packed, n, loss)
+        return packed_loss(logp, packed, loss)
 
     def loss_of_last(h: mx.array) -> tuple[mx.array, dict[str, mx.array]]:
         return loss_of(packed_token_logps(lm_head_of(model), stack.norm(h), packed, e))
@@ -324,13 +333,6 @@ def _segmented(model: nn.Module, packed: PackedPairs, n: int, loss: PairLoss, e:
 # --- validation: log-probs without gradients ---
 
 
-def pair_logps(model: nn.Module, pairs: Pairs, engine: EngineSettings,
-               tight: bool | None = None) -> tuple[mx.array, mx.array]:
-    """Mean response log-probs (chosen [B], rejected [B]) without gradients, for validation."""
-    chosen, rejected, _ = pair_scores(model, pairs, engine, tight=tight)
-    return chosen, rejected
-
-
 def pair_scores(model: nn.Module, pairs: Pairs, engine: EngineSettings, nll_span: str = "response",
                 tight: bool | None = None) -> tuple[mx.array, mx.array, mx.array | None]:
     """Mean response log-probs (chosen [B], rejected [B]) and, for the prompt_and_response NLL span, the chosen
@@ -338,20 +340,12 @@ def pair_scores(model: nn.Module, pairs: Pairs, engine: EngineSettings, nll_span
     as `pack` takes it (None: as this machine decides, tight_rows_fit)."""
     e = _resolved(engine)
     n = len(pairs)
-    nll_logp = None
     if e.head == "naive" and not e.prefix_sharing:  # segments only change the backward
         tokens, mask = pair_batch(pairs, list(range(n)), e.input_multiple)
-        if nll_span == "response":
-            logps = response_mean_logps(model, tokens, mask)
-        else:
-            logits = model(tokens[:, :-1])
-            logps = mean_logps_from_logits(logits, tokens[:, 1:], mask[:, 1:])
-            nll_logp = mx.stop_gradient(mean_logps_from_logits(logits[:n], tokens[:n, 1:],
-                                                               prompt_nll_mask(pairs, mask)[:, 1:]))
+        nll_mask = None if nll_span == "response" else prompt_nll_mask(pairs, mask)
+        logps, nll_logp = naive_logps(model, tokens, mask, n, nll_mask)
     else:
         packed = pack(pairs, e, tight_rows_fit(model) if tight is None else tight, nll_span)
-        logp = packed_token_logps(lm_head_of(model), Stack(model).hidden(packed.layout), packed, e)
-        logps = packed.weights @ logp
-        nll_logp = None if packed.nll_weights is None else mx.stop_gradient(packed.nll_weights @ logp)
+        logps, nll_logp = packed_logps(model, packed, e)
     logps = mx.stop_gradient(logps)
-    return logps[:n], logps[n:], nll_logp
+    return logps[:n], logps[n:], None if nll_logp is None else mx.stop_gradient(nll_logp)

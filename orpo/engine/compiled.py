@@ -14,6 +14,7 @@ under which a compiled function is kept, so a trace is only reused for the same 
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable
+from types import SimpleNamespace
 from typing import Any
 
 import mlx.core as mx
@@ -23,24 +24,17 @@ from orpo.engine.attention import ExclusionMask
 from orpo.engine.stack import Layout
 
 
-class _Kept:
-    """The compiled functions of one module, by key (a plain object: a dict would become a child module)."""
-
-    def __init__(self) -> None:
-        self.functions: dict[Hashable, Callable] = {}
-
-
-def _kept_of(owner: nn.Module) -> _Kept:
-    box = getattr(owner, "_compiled_functions", None)
-    if box is None:
-        box = _Kept()
-        owner._compiled_functions = box  # an attribute of the model, so it goes when the model goes
-    return box
+def _kept(owner: nn.Module) -> dict[Hashable, Callable]:
+    """The compiled functions of `owner` by key, in an attribute of the model (so they go when it goes) holding a
+    plain object (a dict would become a child module)."""
+    if getattr(owner, "_compiled_functions", None) is None:
+        owner._compiled_functions = SimpleNamespace(functions={})
+    return owner._compiled_functions.functions
 
 
 def kept(owner: nn.Module, key: Hashable, build: Callable[[], Callable]) -> Callable:
     """The compiled function kept on `owner` under `key` (built on first use)."""
-    functions = _kept_of(owner).functions
+    functions = _kept(owner)
     if key not in functions:
         functions[key] = build()
     return functions[key]
@@ -48,7 +42,7 @@ def kept(owner: nn.Module, key: Hashable, build: Callable[[], Callable]) -> Call
 
 def kept_count(owner: nn.Module) -> int:
     """How many compiled functions `owner` holds (each traced anew per input shape by MLX)."""
-    return len(_kept_of(owner).functions)
+    return len(_kept(owner))
 
 
 LAYOUT_FIELDS = ("tokens", "positions", "restricted", "hidden_keys")

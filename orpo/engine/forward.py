@@ -181,20 +181,15 @@ def attention(family: Family, attn: nn.Module, x: mx.array, mask: Any, positions
     """A layer's self-attention of x [B, L, H] under `mask` (anything `attend` takes), RoPE at `positions`;
     `ordered` as `attend` takes it."""
     b, length, _ = x.shape
-    queries, keys, values = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
+    queries = attn.q_proj(x).reshape(b, length, attn.n_heads, -1)
+    keys = attn.k_proj(x).reshape(b, length, attn.n_kv_heads, -1)
+    values = attn.v_proj(x).reshape(b, length, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
     if family.qk_norm == "heads":
-        queries = attn.q_norm(queries.reshape(b, length, attn.n_heads, -1)).transpose(0, 2, 1, 3)
-        keys = attn.k_norm(keys.reshape(b, length, attn.n_kv_heads, -1)).transpose(0, 2, 1, 3)
-    else:
-        queries = queries.reshape(b, length, attn.n_heads, -1).transpose(0, 2, 1, 3)
-        keys = keys.reshape(b, length, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
-    values = values.reshape(b, length, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        queries, keys = attn.q_norm(queries), attn.k_norm(keys)
+    queries, keys = queries.transpose(0, 2, 1, 3), keys.transpose(0, 2, 1, 3)
     if family.qk_norm == "transposed":
         queries, keys = attn.q_norm(queries), attn.k_norm(keys)
-    if positions is None:
-        queries, keys = attn.rope(queries), attn.rope(keys)
-    else:
-        queries, keys = rope_at(attn.rope, queries, positions), rope_at(attn.rope, keys, positions)
+    queries, keys = rope_at(attn.rope, queries, positions), rope_at(attn.rope, keys, positions)
     if family.softcap:
         out = softcapped_attention(attn, queries, keys, values, mask)
     else:

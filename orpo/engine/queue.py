@@ -28,8 +28,6 @@ class EvalQueue:
     """Evaluates what is pushed, in order, leaving at most `depth` evaluations unfinished (0: each waited for)."""
 
     def __init__(self, depth: int = 0):
-        if depth < 0:
-            raise ValueError(f"train.engine.overlap: must be >= 0 (got {depth})")
         self.depth = depth
         self._pending: deque[tuple] = deque()
 

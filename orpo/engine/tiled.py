@@ -23,8 +23,8 @@ from orpo.engine.queue import after
 from orpo.engine.stack import trainables_replaced
 
 
-def tiled_vjp(mlp: nn.Module, chunks: int) -> Callable[..., mx.array]:
-    """The custom function (x [..., T, H], *trainable arrays of mlp) -> mlp(x), with its token-chunked vjp."""
+def tiled_mlp(mlp: nn.Module, chunks: int) -> Callable[[mx.array], mx.array]:
+    """x -> mlp(x), differentiated in `chunks` token chunks (see the module doc): run in place of the layer's MLP."""
 
     def run(x: mx.array, params: tuple[mx.array, ...]) -> mx.array:
         with trainables_replaced([mlp], params):
@@ -32,7 +32,7 @@ def tiled_vjp(mlp: nn.Module, chunks: int) -> Callable[..., mx.array]:
 
     @mx.custom_function
     def tiled(x: mx.array, *params: mx.array) -> mx.array:
-        return mlp(x)  # params are the MLP's own arrays (tiled_mlp passes them): inputs only for the vjp
+        return mlp(x)  # params are the MLP's own arrays: inputs only for the vjp
 
     @tiled.vjp
     def tiled_backward(primals, cotangent, output):
@@ -49,13 +49,7 @@ def tiled_vjp(mlp: nn.Module, chunks: int) -> Callable[..., mx.array]:
             dparams = [a + g for a, g in zip(dparams, grads[1:])]
         return (mx.concatenate(dx).reshape(shape), *dparams)
 
-    return tiled
-
-
-def tiled_mlp(mlp: nn.Module, chunks: int) -> Callable[[mx.array], mx.array]:
-    """x -> mlp(x), differentiated in `chunks` token chunks (see the module doc): run in place of the layer's MLP."""
-    fn = tiled_vjp(mlp, chunks)
-    return lambda x: fn(x, *(v for _, v in tree_flatten(mlp.trainable_parameters())))
+    return lambda x: tiled(x, *(v for _, v in tree_flatten(mlp.trainable_parameters())))
 
 
 def tiled_mlps(layers: Sequence[nn.Module], chunks: int) -> list[Callable[[mx.array], mx.array]] | None:

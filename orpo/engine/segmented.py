@@ -179,8 +179,6 @@ def segmented_value_and_grad(model: nn.Module, stack: Stack, layout: Layout, hea
     queued (0: each waited for, one segment's working set at a time; orpo.engine.queue). `mlp_chunks`:
     token chunks of each layer's MLP backward (orpo.engine.tiled).
     """
-    if segment_layers < 1:
-        raise ValueError(f"train.engine.segment_layers: {segment_layers} must be >= 1 here")
     n = len(stack.layers)
     bounds = list(range(0, n, segment_layers)) + [n]
     segments = list(pairwise(bounds))

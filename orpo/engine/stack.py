@@ -127,37 +127,26 @@ class Stack:
         return h
 
     def masks(self, layout: Layout, h: mx.array) -> list[Any]:
-        """One attention mask per layer (the model's own on plain rows; block and logical window otherwise)."""
+        """One attention mask per layer: the model's own on plain rows; on packed rows SplitRows (aligned rows),
+        exclusion dims (tight rows), or for sliding windows and gemma2's own attention a block mask array."""
         built: dict[int | None, Any] = {}
         for w in set(self.windows):
             if layout.plain:
                 built[w] = create_attention_mask(h, None, window_size=w, return_array=self.array_masks)
-                continue
-            kind = self._packed_kind(w, layout)
-            if kind == "split":
-                built[w] = layout.split
-                continue
-            if kind == "exclusion":
-                built[w] = exclusion_mask(layout.restricted, layout.hidden_keys, h.dtype)
-                continue
-            mask = layout.visible()
-            if w is not None:
-                pos = layout.positions
-                mask = mask & ((pos[:, :, None] - pos[:, None, :]) < w)
-            if not self.array_masks:
-                # Additive, in the activation dtype, one per row: MLX's CUDA attention takes it as cuDNN's
-                # bias broadcast over heads, where a boolean mask is first expanded to [B, H, L, L].
-                built[w] = mx.where(mask, mx.array(0.0, h.dtype), mx.array(-mx.inf, h.dtype))[:, None]
-                continue
-            built[w] = mask[:, None, None] if self.mask_5d else mask[:, None]
+            elif w is None and not self.array_masks:
+                built[w] = layout.split or exclusion_mask(layout.restricted, layout.hidden_keys, h.dtype)
+            else:
+                mask = layout.visible()
+                if w is not None:
+                    pos = layout.positions
+                    mask = mask & ((pos[:, :, None] - pos[:, None, :]) < w)
+                if self.array_masks:
+                    built[w] = mask[:, None, None] if self.mask_5d else mask[:, None]
+                else:
+                    # Additive, in the activation dtype, one per row: MLX's CUDA attention takes it as cuDNN's
+                    # bias broadcast over heads, where a boolean mask is first expanded to [B, H, L, L].
+                    built[w] = mx.where(mask, mx.array(0.0, h.dtype), mx.array(-mx.inf, h.dtype))[:, None]
         return [built[w] for w in self.windows]
-
-    def _packed_kind(self, window: int | None, layout: Layout) -> str:
-        """How a layer with this window attends over a packed layout: split (aligned rows), exclusion (tight
-        rows), or a block mask array (sliding windows and gemma2's own attention)."""
-        if window is not None or self.array_masks:
-            return "mask"
-        return "split" if layout.split is not None else "exclusion"
 
     def run(self, h: mx.array, masks: Sequence[Any], start: int, stop: int, positions: mx.array | None = None,
             mlps: Sequence[Callable[[mx.array], mx.array]] | None = None) -> mx.array:

@@ -36,10 +36,6 @@ class Objective:
     gamma: float = 1.0
     dpo_beta: float = 0.1
 
-    def __post_init__(self) -> None:
-        if self.name not in OBJECTIVES:
-            raise ValueError(f"train.objective: {self.name!r} is not one of {', '.join(OBJECTIVES)}")
-
     @property
     def needs_reference(self) -> bool:
         """Whether the loss compares with a reference model's log-probs (one extra forward, no gradient)."""

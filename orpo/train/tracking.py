@@ -22,10 +22,9 @@ import time
 from pathlib import Path
 from typing import Any, Iterable
 
-BACKENDS = ("tensorboard", "wandb", "mlflow")
 # The module each backend imports, and what to install when it is missing.
-MODULES = {"tensorboard": "tensorboardX", "wandb": "wandb", "mlflow": "mlflow"}
-PACKAGES = {"tensorboard": "tensorboardX", "wandb": "wandb", "mlflow": "mlflow-skinny (or mlflow)"}
+MODULES = {"tensorboard": ("tensorboardX", "tensorboardX"), "wandb": ("wandb", "wandb"),
+           "mlflow": ("mlflow", "mlflow-skinny (or mlflow)")}
 IDS_FILE = "tracking.json"
 
 
@@ -41,13 +40,12 @@ class TrackingError(RuntimeError):
 def require(names: Iterable[str]) -> None:
     """Fail before any work when a backend in `names` (train.report_to) has no library installed."""
     for name in names:
-        if name not in BACKENDS:
-            raise TrackingError(f"train.report_to: unknown backend {name!r} (choose from {', '.join(BACKENDS)})")
+        module, package = MODULES[name]
         try:
-            importlib.import_module(MODULES[name])
+            importlib.import_module(module)
         except ImportError as e:
-            raise TrackingError(f"train.report_to: {name} needs the {PACKAGES[name]} package, which is not installed "
-                                f"({e}); install it (`pip install {PACKAGES[name].split()[0]}`, or the project's "
+            raise TrackingError(f"train.report_to: {name} needs the {package} package, which is not installed "
+                                f"({e}); install it (`pip install {package.split()[0]}`, or the project's "
                                 "`tracking` extra) or drop it from train.report_to") from None
 
 
@@ -107,12 +105,14 @@ class Trackers:
         self.close(failed=kind is not None)
 
 
-def open_trackers(names: Iterable[str], folder: str | Path, record: dict[str, Any], start: int) -> Trackers:
-    """Trackers for train.report_to on the run's work folder; `start` > 0 resumes there."""
-    return Trackers(names, Path(folder), record, start)
+class _Backend:
+    """What every tracker does unless it says otherwise: nothing to flush (each log is written when called)."""
+
+    def flush(self) -> None:
+        pass
 
 
-class _TensorBoard:
+class _TensorBoard(_Backend):
     name = "tensorboard"
 
     def __init__(self, folder: Path, settings: dict[str, Any], start: int, run_id: str | None):
@@ -135,7 +135,7 @@ class _TensorBoard:
         self.writer.close()
 
 
-class _Wandb:
+class _Wandb(_Backend):
     name = "wandb"
 
     def __init__(self, folder: Path, settings: dict[str, Any], start: int, run_id: str | None):
@@ -153,16 +153,13 @@ class _Wandb:
     def log(self, values: dict[str, float], step: int) -> None:
         self.run.log(values, step=step)
 
-    def flush(self) -> None:
-        pass  # wandb writes as it goes
-
     def close(self, failed: bool) -> None:
         self.run.finish(exit_code=1 if failed else 0)
         if self.offline:
             print(f"wandb: offline run {self.where}; upload it with `wandb sync {self.where}`", file=sys.stderr)
 
 
-class _Mlflow:
+class _Mlflow(_Backend):
     name = "mlflow"
 
     def __init__(self, folder: Path, settings: dict[str, Any], start: int, run_id: str | None):
@@ -193,9 +190,6 @@ class _Mlflow:
 
         now = int(time.time() * 1000)
         self.client.log_batch(self.run_id, metrics=[Metric(k, v, now, step) for k, v in values.items()])
-
-    def flush(self) -> None:
-        pass  # each log_batch is written when called
 
     def close(self, failed: bool) -> None:
         self.client.set_terminated(self.run_id, status="FAILED" if failed else "FINISHED")

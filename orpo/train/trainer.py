@@ -28,7 +28,7 @@ from orpo.train.progress import Progress
 from orpo.settings import as_dict
 from orpo.train.session import Session, TrainingError, build_session
 from orpo.train.settings import ResolvedRun, TrainSettings, recorded_run
-from orpo.train.tracking import open_trackers, require
+from orpo.train.tracking import Trackers, require
 
 __all__ = ["Session", "TrainingError", "build_session", "replay", "train"]
 
@@ -154,10 +154,12 @@ def _train(sess: Session, record: dict[str, Any], rendered_dir: str | Path, out_
         index["baseline"] = sess.evaluate(val)
         progress.event({"step": 0, "validation": index["baseline"]})
 
-    ckpt_steps = set(_checkpoint_steps(s, sess.total_steps, _steps_per_epoch(sess)))
+    per_epoch = _steps_per_epoch(sess)
+    ckpt_steps = set(_checkpoint_steps(s, sess.total_steps, per_epoch))
+    compiles = sess.engine.compile and not sess.engine.plain  # the plain path never compiles
     with bounded_memory(sess) as cache, \
             open(work / "metrics.jsonl", "a", encoding="utf-8") as metrics_file, \
-            open_trackers(s.report_to, work, record, start) as trackers:
+            Trackers(s.report_to, work, record, start) as trackers:
         if start == 0 and index.get("baseline"):
             trackers.log(index["baseline"], 0, "validation")
         rate = Throughput()
@@ -192,12 +194,12 @@ def _train(sess: Session, record: dict[str, Any], rendered_dir: str | Path, out_
                                         f"the last good one is {f'step {kept[-1]}' if kept else 'none (the start)'} "
                                         f"in {work} (lower train.lr, or set train.divergence_ratio: 0 to go on)")
                 sha = save_checkpoint(work, step, sess.model, sess.opt, sess.adapter_config,
-                                      {"epoch_of_step": _epoch_of(sess, step), "seed": s.seed, **sess.loop_state()},
+                                      {"epoch_of_step": (step - 1) // per_epoch, "seed": s.seed, **sess.loop_state()},
                                       keeps_optimizer(sess.adapter_config, step, sess.total_steps))
                 index["checkpoints"][str(step)] = {"sha256": sha, "validation": v}
                 _update_best(index)
                 index["run"] = {**rate.summary(), "shapes": len(sess.signatures),
-                                "traces": len(sess.signatures) if _compiles(sess) else 0, "memory": cache.record(),
+                                "traces": len(sess.signatures) if compiles else 0, "memory": cache.record(),
                                 "memory_predicted": predicted}
                 write_json(work / "index.json", index)
                 # Prune only after index.json holds the new hash: a crash here leaves extra folders, never a gap.
@@ -244,11 +246,6 @@ def diverged(v: dict[str, float], start: dict[str, float], vocab: int, ratio: fl
 UNIFORM_SHARE = 0.98
 
 
-def _compiles(sess: Session) -> bool:
-    """Whether the engine's step runs under mx.compile (the plain path never does)."""
-    return sess.engine.compile and not sess.engine.plain
-
-
 class Throughput:
     """Tokens per second since the loop started, by each count a step reports, and the padding fraction."""
 
@@ -263,16 +260,17 @@ class Throughput:
         for k in self.COUNTS:
             self.totals[k] += int(m[k])
         elapsed = max(time.time() - self.t0, 1e-9)
-        return {"elapsed_s": round(elapsed, 3), "tokens_per_s": round(self.totals["tokens"] / elapsed, 1),
-                "row_tokens_per_s": round(self.totals["row_tokens"] / elapsed, 1),
-                "two_forward_tokens_per_s": round(self.totals["two_forward_tokens"] / elapsed, 1),
+        return {"elapsed_s": round(elapsed, 3), **self._rates(elapsed),
                 "padding": round(1 - m["row_tokens"] / max(m["positions"], 1), 4)}
+
+    def _rates(self, elapsed: float) -> dict[str, float]:
+        return {f"{k}_per_s": round(self.totals[k] / elapsed, 1) for k in self.COUNTS[:3]}
 
     def summary(self) -> dict[str, float]:
         """The whole loop's rates and padding (what index.json keeps)."""
         elapsed = max(time.time() - self.t0, 1e-9)
         t = self.totals
-        return {"seconds": round(elapsed, 2), **{f"{k}_per_s": round(t[k] / elapsed, 1) for k in self.COUNTS[:3]},
+        return {"seconds": round(elapsed, 2), **self._rates(elapsed),
                 "padding": round(1 - t["row_tokens"] / max(t["positions"], 1), 4)}
 
 
@@ -288,10 +286,6 @@ def _follow(sess: Session, work: Path, start: int) -> None:
 def _steps_per_epoch(sess: Session) -> int:
     """Optimizer steps of one epoch: each takes the global batch; the remainder sits the epoch out (batch_schedule)."""
     return max(1, len(sess.train) // (sess.s.batch_size * sess.s.grad_accum * sess.shard.size))
-
-
-def _epoch_of(sess: Session, step: int) -> int:
-    return (step - 1) // _steps_per_epoch(sess)
 
 
 def _update_best(index: dict[str, Any]) -> None:
@@ -347,8 +341,6 @@ def replay(
     latest checkpoint still on disk before the target (its optimizer and loop state restored), so a step
     pruned by `keep_last` replays from the nearest earlier kept one; `from_="zero"` retrains from step 0.
     """
-    if from_ not in ("previous", "zero"):
-        raise ValueError(f"replay from {from_!r}: use 'previous' or 'zero'")
     run_dir = require_complete(run_dir, "training run")
     settings, resolved, record = recorded_run(run_dir)
     index = read_index(run_dir)

@@ -1,12 +1,7 @@
-"""How prefix-sharing rows attend: split attention or exclusion dims, through mx.fast's attention.
+"""How prefix-sharing rows attend (SplitRows, ExclusionMask), and an attention backward in a fixed order.
 
-Shared rows hold a pair's prompt, chosen and rejected; rejected's queries must not see chosen's keys. Two
-ways keep MLX's fused causal attention (cuDNN's forward and backward on CUDA) instead of a mask array:
-SplitRows runs aligned rows as two causal attentions, ExclusionMask hides chosen's keys from rejected's
-queries with extra head dims. `attend` is the attention the engine's forward (orpo.engine.forward) calls:
-it does these masks and hands any other to mx.fast's attention. `ordered_attention` is mx.fast's attention
-with a backward that sums in a fixed order (cuDNN's sums the query gradient with atomics), for replays that
-are bit-exact on CUDA.
+Both masks keep MLX's fused causal attention (cuDNN's forward and backward on CUDA) instead of a mask array;
+`ordered_attention` sums its gradients in a fixed order, for replays that are bit-exact on CUDA.
 """
 
 from __future__ import annotations
@@ -41,13 +36,9 @@ def exclusion_fits(head_dim: int, cuda: bool) -> bool:
 class ExclusionMask:
     """Causal attention in which flagged queries cannot see penalised keys, run as one causal sdpa.
 
-    Prefix-sharing rows [prompt; chosen; rejected; pad]: rejected's queries must not see chosen's keys.
-    Instead of an additive [B, 1, L, L] bias (built per step, read by cuDNN's masked kernel), each query
-    gets EXCLUSION_DIMS extra head dims holding `queries` ([B, 1, L, EXCLUSION_DIMS]: S for a rejected
-    query, 0 otherwise) and each key `keys` (-S for a chosen key, 0 otherwise): the extra dims' dot
-    product is 0 except for (rejected query, chosen key), where it sends the score to -inf in effect.
-    Values keep their dims, so the output is the masked attention's, under mask="causal" (cuDNN's causal
-    kernel on CUDA). Costs the wider head dim (bench/README.md).
+    Extra head dims `queries` [B, 1, L, EXCLUSION_DIMS] (S for a flagged query, else 0) and `keys` (-S for a
+    penalised key) send exactly the (flagged query, penalised key) scores to -inf in effect, under mask="causal":
+    no [B, 1, L, L] bias is built. Costs the wider head dim (bench/README.md).
     """
 
     queries: mx.array
@@ -66,15 +57,10 @@ def exclusion_mask(flagged: mx.array, excluded: mx.array, dtype: mx.Dtype) -> Ex
 class SplitRows:
     """Prefix-sharing rows [prompt; chosen; pad | rejected; pad] attended as two causal attentions, exactly.
 
-    Every row's rejected block starts at `rejected_start`. The first attention is causal over the columns
-    before it ([prompt; chosen]: what the prompt's and chosen's queries may see). The second takes rejected's
-    queries against [prompt; rejected]'s keys, causal from the bottom right, so rejected's token t sees the
-    whole prompt and its own tokens up to t, and never chosen's. The prompt length differs between pairs, so
-    the second runs once per group of consecutive rows sharing it: `groups` holds (first row, end row, prompt
-    length). With `align` > 1 the second attention's query and key lengths are multiples of it (see
-    split_attention). Hashable and array-free: it is part of a compiled step's key, not an input.
-    Why: no mask array and no widened head dim, so each part is MLX's fused causal attention (cuDNN's forward
-    and backward on CUDA at widths of 128), and the masked-out (rejected query, chosen key) area is never
+    Every row's rejected block starts at `rejected_start`: [prompt; chosen] attends to itself, rejected's queries
+    to [prompt; rejected]'s keys (causal from the bottom right), once per run of rows sharing a prompt length
+    (`groups`: first row, end row, prompt length); `align` as split_attention takes it. Hashable and array-free:
+    part of a compiled step's key. No mask, no wider head dim, and the (rejected query, chosen key) area is never
     computed: faster than the ExclusionMask and than two forwards (bench/README.md).
     """
 
@@ -87,12 +73,10 @@ def split_attention(sdpa: Callable[[mx.array, mx.array, mx.array], mx.array], q:
                     v: mx.array, split: SplitRows) -> mx.array:
     """Attention over SplitRows through `sdpa(q, k, v)` (causal, bottom-right aligned): [B, H, L, D] like q.
 
-    Alignment: MLX 0.32's CUDA attention differentiates with cuDNN when the query length is a multiple of 128,
-    and then returns wrong key/value gradients (or corrupts memory) unless the key length is one too
-    (bench/README.md). So for a
-    prompt of p = a * align + x tokens, rejected's attention also takes the prompt's last x tokens as queries
-    (their outputs are dropped; the first attention gives them) and align - x zero keys and queries at the
-    end (after every real token: causally invisible), which makes both lengths multiples of `align`.
+    MLX 0.32's CUDA attention differentiates with cuDNN when the query length is a multiple of 128, and then
+    needs the key length to be one too (bench/README.md): so for a prompt of a * align + x tokens, rejected's
+    attention also takes the prompt's last x tokens as queries (outputs dropped) and align - x zero keys and
+    queries at the end (causally invisible).
     """
     s, align = split.rejected_start, split.align
     # mx.split, not slicing: its gradient is one concatenation, where each slice's is a zero-filled full array.
@@ -137,14 +121,12 @@ def _visible(scores: mx.array, mask: Any, first: int, offset: int) -> mx.array:
 
 def ordered_backward(q: mx.array, k: mx.array, v: mx.array, scale: float, mask: Any,
                      cotangent: mx.array, output: mx.array) -> tuple[mx.array, mx.array, mx.array]:
-    """Gradients of softmax attention (q [B, H, L, D], k [B, kv heads, keys, D], v's last dim its own; `output`
-    the forward's result) by query blocks, in a fixed order.
+    """Gradients of softmax attention (q [B, H, L, D], k/v [B, kv heads, keys, D]; `output` the forward's) by
+    query blocks, in a fixed order.
 
-    Each block recomputes its scores and softmax in float32 (causal blocks read only the keys they see), forms
-    dS = P * (dP - rowsum(P * dP)), where rowsum(P * dP) = rowsum(dO * O) is taken from the output (no pass over
-    the block's scores), and takes dQ, and its share of dK and dV, as matmuls in the input dtype;
-    the shares are summed block after block in float32. GQA's query heads of one key head are one matmul's
-    rows, so no gradient is summed across heads by a reduction either.
+    Each block recomputes its float32 scores and softmax (causal blocks read only the keys they see), forms
+    dS = P * (dP - rowsum(dO * O)) and takes dQ and its share of dK and dV as matmuls in the input dtype, the
+    shares summed block after block in float32; a key head's query heads are one matmul's rows.
     """
     b, h, length, d = q.shape
     kv, keys = k.shape[1], k.shape[2]
@@ -197,9 +179,8 @@ def attend(queries: mx.array, keys: mx.array, values: mx.array, scale: float, ma
            ordered: bool = False) -> mx.array:
     """Scaled dot-product attention of q [B, H, L, D], k/v [B, kv heads, L, D] under any mask the engine builds.
 
-    SplitRows and ExclusionMask run as causal attentions (above); anything else ("causal", None, an array)
-    goes to mx.fast's attention as it is, the call mlx-lm's layers make without a cache. `ordered`: each
-    attention is `ordered_attention` (a backward in a fixed order).
+    SplitRows and ExclusionMask run as causal attentions; anything else goes to mx.fast's attention as mlx-lm's
+    layers call it. `ordered`: each attention is `ordered_attention`.
     """
     sdpa = ordered_attention if ordered else mx.fast.scaled_dot_product_attention
     if isinstance(mask, SplitRows):

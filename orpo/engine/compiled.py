@@ -1,14 +1,9 @@
-"""The engine's step under `mx.compile`: each function traced once per program and input shape, kept per model.
+"""The engine's step under `mx.compile`: compiled functions kept per model and program, traced per shape.
 
-Why: outside the matmuls, a step is a long tail of small elementwise kernels (norms, RoPE, SiLU, the LoRA
-adds); compiled, MLX fuses them, which makes the CUDA step markedly faster (bench/README.md).
-
-Every array a traced graph reads must be an input, or the trace would replay stale values: the model's own
-arrays (weights, adapter factors, any module's current dropout key) are read through
-`inputs=<module>.state` at each call; the layout's arrays (its RoPE positions included) and the masks are
-arguments. What is Python-side (the caller's settings and constants, the
-layout's structure: which of its fields are set, its SplitRows, each layer's kind of mask) is part of the key
-under which a compiled function is kept, so a trace is only reused for the same program.
+Compiled, MLX fuses a step's elementwise kernels (markedly faster on CUDA: bench/README.md). Every array a
+trace reads must be an input, or a reused trace would replay stale values: the model's arrays through
+`inputs=<module>.state`, the layout's and the masks' as arguments; the Python-side structure (settings,
+which layout fields are set, SplitRows, each layer's kind of mask) is the key a compiled function is kept by.
 """
 
 from __future__ import annotations

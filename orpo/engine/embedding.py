@@ -1,12 +1,9 @@
 """An embedding lookup whose weight gradient sums each token's rows in a fixed order, on every device.
 
-Autodiff of `weight[ids]` is a scatter-add, which MLX's CUDA and Metal backends run with atomic adds: rows of
-a repeated token (BOS, the template's tokens, common words) are summed in whatever order the threads land,
-so a full-parameter run's embedding, and all that follows from it, differs between two runs of the same
-steps. Here the gradient is a one-hot matmul over vocabulary chunks instead (fixed order, float32
-accumulation, no host synchronisation, so it traces under mx.compile): 2·V·H·M FLOPs for M looked-up
-tokens beside the step's ~6·P·M (P parameters), V·H/(3·P) more: 0.6% at Mistral-7B's shape. The CPU's
-scatter-add runs in order at O(M·H), so the swap is needed on GPUs only (orpo.device.on_gpu).
+Autodiff of `weight[ids]` is a scatter-add that GPUs run with atomics: a repeated token's rows sum in arrival
+order, so a full-parameter replay differs. Here the gradient is a one-hot matmul over vocabulary chunks (fixed
+order, float32 accumulation, traceable): 2·V·H·M FLOPs for M tokens, 0.6% of a step at Mistral-7B's shape.
+The CPU's scatter-add runs in order: the swap is needed on GPUs only (orpo.device.on_gpu).
 """
 
 from __future__ import annotations

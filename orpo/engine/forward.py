@@ -1,15 +1,10 @@
 """Each supported family's decoder layer, run from the layer's own parts with explicit positions and attention.
 
-mlx-lm's layers take (x, mask, cache): one RoPE offset per row and their module's own attention function.
-Prefix-shared rows need per-token positions and masks mx.fast's attention does not take (SplitRows,
-ExclusionMask), so the engine runs each layer itself: the layer's projections (LoRA-wrapped or not), norms,
-rope and MLP are called as modules, in mlx-lm's order and with its mx.fast ops, and the positions, the
-attention and the MLP are arguments. Nothing is assigned onto mlx-lm's modules or module globals, so
-forwards in other threads or of other models are unaffected. On plain rows (no positions, the model's
-own masks) the hidden states are bit-identical to mlx-lm's (tests/test_engine_stack.py).
-
-The layers mirrored are those of the mlx-lm versions in MLX_LM_TESTED (pyproject pins the same range):
-`check_mlx_lm` refuses others, and `missing_parts` names what a model lacks of what is called here.
+Prefix-shared rows need per-token RoPE positions and masks mlx-lm's layers do not take, so the engine calls
+each layer's projections, norms, rope and MLP itself, in mlx-lm's order and with its mx.fast ops; nothing is
+assigned onto mlx-lm's modules. On plain rows the hidden states are bit-identical to mlx-lm's
+(tests/test_engine_stack.py). `check_mlx_lm` refuses mlx-lm versions outside MLX_LM_TESTED, `check_parts`
+a model lacking what is called here.
 """
 
 from __future__ import annotations
@@ -141,12 +136,10 @@ def check_parts(model: nn.Module, family: str) -> None:
 
 
 def rope_at(rope: nn.Module, x: mx.array, positions: mx.array | None) -> mx.array:
-    """The module's own RoPE of x [B, heads, L, D], at each token's own position (`positions` [B*L]; None: 0..L-1).
+    """The module's own RoPE of x [B, heads, L, D] at each token's position (`positions` [B*L]; None: 0..L-1).
 
-    mx.fast.rope takes one offset per leading row, not one per token; a packed row's positions restart for
-    rejected. So x (a transpose of the [B, L, heads, D] projection) is viewed as B*L rows of one token each
-    (a free reshape) and rotated with offsets = the flattened positions: one rope pass, exactly the
-    module's own at every position (any rope variant keeps its frequencies).
+    mx.fast.rope takes one offset per leading row, so x is viewed as B*L rows of one token (a free reshape) and
+    rotated with offsets = the positions: the module's own rope (any variant) at every position.
     """
     if positions is None:
         return rope(x)

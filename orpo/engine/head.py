@@ -1,14 +1,8 @@
-"""Log-prob heads: the naive one (full logits) and flash-CCE, log p(target) per token without the [tokens, vocab] logits.
+"""Log-prob heads: the naive one (full logits) and the fused one (flash-CCE: no [tokens, vocab] logits).
 
-Forward: token chunks; each computes its full-vocab [chunk, V] logit block, the block's float32
-logsumexp and target logit, and is freed. Backward: an analytic vjp (`mx.custom_function`) that
-recomputes each chunk's block from the saved per-token logsumexp: d logp / dz = onehot - softmax, times
-1 - tanh^2 under a logit softcap. A trainable head (full-parameter training) gets its weight's gradient from
-the same recomputed blocks: dW = sum over chunks of dz^T h, accumulated in a float32 [V, H] array. Token chunks, not a vocab-block online softmax: in MLX a sequential
-chain over vocab blocks in one graph kept every block alive. The chunks are chained (`queue.after`) so that
-the blocks alive at once are a fixed few, whatever the token count (tests/test_engine_head.py measures it).
-Matmuls run in the head's dtype, as the model's own layer does; softmax math in float32.
-Pure MLX (CPU, CUDA, Metal); float and quantized heads.
+The fused head runs token chunks, chained (`queue.after`) so a fixed few [chunk, V] blocks are alive at once
+(a vocab-block online softmax kept every block alive in MLX); its analytic vjp recomputes each block from the
+saved logsumexp. Matmuls in the head's dtype, as the model's layer does; softmax math in float32.
 """
 
 from __future__ import annotations
@@ -32,8 +26,8 @@ _LOGIT_SCALING_ARGS = ("logit_scale", "logits_scaling", "dim_model_base", "outpu
 class LMHead:
     """An output projection: logits = softcap(h W^T + bias), W float [V, H] or quantized (packed).
 
-    `path` is the weight's module path in the model ("lm_head" or "model.embed_tokens"); `trainable` says
-    whether the fused head also returns gradients for the weight (and bias), as the model's own layer would.
+    `path`: the weight's module path in the model; `trainable`: whether the fused head also returns gradients for
+    the weight (and bias), as the model's own layer would.
     """
 
     weight: mx.array
@@ -50,17 +44,14 @@ class LMHead:
 
     @property
     def quantized(self) -> bool:
-        """Whether the weight is packed (quantized_matmul) rather than a float matrix."""
         return self.scales is not None
 
     @property
     def vocab_size(self) -> int:
-        """V, the number of logits per token."""
         return self.weight.shape[0]
 
     @property
     def hidden_size(self) -> int:
-        """H, the size of the hidden state the head projects."""
         return self.weight.shape[1] * 32 // self.bits if self.quantized else self.weight.shape[1]
 
     def project(self, h: mx.array) -> mx.array:
@@ -101,10 +92,8 @@ def mean_logps_from_logits(logits: mx.array, targets: mx.array, scored: mx.array
 
 
 def response_mean_logps(model: nn.Module, tokens: mx.array, mask: mx.array) -> mx.array:
-    """The naive head through the model's own forward: full [N, T, V] logits, then the masked mean log-prob per row.
-
-    `mask[i, t] = 1` when token t of row i is scored (predicted from position t-1).
-    """
+    """The naive head through the model's own forward: the masked mean log-prob per row of full [N, T, V]
+    logits; `mask[i, t] = 1` when token t of row i is scored (predicted from position t-1)."""
     return mean_logps_from_logits(model(tokens[:, :-1]), tokens[:, 1:], mask[:, 1:])
 
 

@@ -1,8 +1,7 @@
 """Evaluation order for the engine's chunked loops: chunks chained in one graph, or evaluations in flight.
 
-`mx.eval` after each segment (or head chunk) bounds memory to one segment's working set but leaves the
-GPU idle while the next segment's kernels are encoded; `mx.async_eval` lets the encoding overlap the
-running segment, at the cost of the next segment's buffers being allocated while it runs (bench/README.md).
+`mx.eval` after each segment (or head chunk) bounds memory but leaves the GPU idle while the next one is
+encoded; `mx.async_eval` overlaps the encoding, for buffers allocated earlier (bench/README.md).
 """
 
 from __future__ import annotations
@@ -17,9 +16,8 @@ import mlx.core as mx
 def after(x: mx.array, previous: list[mx.array]) -> mx.array:
     """x, made to wait for `previous` (the previous chunk's results) within one lazy graph.
 
-    Left independent, MLX's breadth-first eval schedules many chunks side by side and holds their
-    buffers together (measured on CPU: up to ~20 head blocks); chained, the chunks alive at once are the
-    backend's run-ahead window (~8 on CPU, lowered by mx.set_memory_limit), whatever the chunk count.
+    Left independent, MLX's breadth-first eval holds many chunks' buffers together (on CPU up to ~20 head blocks);
+    chained, only the backend's run-ahead window (~8 on CPU), whatever the chunk count.
     """
     return mx.depends(x, previous) if previous else x
 
@@ -51,8 +49,7 @@ class EvalQueue:
 def memory_limit(gb: float) -> Iterator[None]:
     """While inside, MLX's memory limit is `gb` (0: left as it is); the previous limit comes back after.
 
-    Past the limit, MLX's evaluation waits for queued work to finish (and free its buffers) before it
-    encodes more: with `EvalQueue` depth > 0 the queue then runs ahead only while memory allows.
+    Past it, evaluation waits for queued work before encoding more: an `EvalQueue` runs ahead while memory allows.
     """
     if gb <= 0:
         yield

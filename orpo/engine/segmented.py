@@ -1,17 +1,9 @@
-"""Segmented backward: the layer stack in segments, only segment boundaries kept, each segment recomputed in reverse.
+"""Segmented backward: the layer stack in segments, only the boundaries kept, each segment recomputed in reverse.
 
-Forward: embed, then each segment of `segment_layers` layers, keeping only its output (evaluated, so its
-activations are freed). The head and loss give the cotangent of the last boundary. Backward: for the last
-segment down to the lowest one holding trainable parameters, recompute the segment under `mx.vjp` with
-respect to (its input boundary, its trainable parameters) and the incoming cotangent, evaluate, and pass
-the input cotangent down. Trainable parameters outside the layers (full-parameter training: the final norm,
-the head, the embedding) get theirs at the two ends: the head's differentiation is also with respect to
-them, and the embedding's lookup is differentiated last, with the cotangent of the lowest boundary (a tied
-embedding's two gradients are summed). Peak memory: one segment's activations plus the boundaries. The recompute must
-draw the forward's dropout masks again: a module's dropout has to come from keys that stay put during the
-call, not from the global RNG (the trainer's LoRA layers key theirs by seed, step, micro-batch and module).
-Given running sums (`into`, gradient accumulation), each segment's gradients are added into them as soon as they
-are evaluated: the accumulated gradients are one copy of the weights' size, not the sums plus a micro-batch's.
+Peak memory: one segment's activations plus the boundaries. Trainable weights outside the layers get their
+gradients at the two ends (the head's differentiation; the embedding's lookup, last). A recompute must draw
+the forward's dropout masks again, so they come from keys that stay put during the call (orpo.train.keys).
+Given running sums (`into`), each segment's gradients are added in as evaluated: one copy of the gradients.
 """
 
 from __future__ import annotations
@@ -63,7 +55,6 @@ HeadValueAndGrad = Callable[[mx.array, Params],
 
 def add_into(into: dict[str, mx.array], grads: Any) -> Any:
     """Add a gradient tree into running sums keyed by path (taking it where a path is new); returns the sums' tree.
-
     The sums are replaced, not kept beside: an old sum referenced only by its addition lends it its buffer."""
     for path, g in tree_flatten(grads):
         _add(into, path, g)
@@ -115,11 +106,7 @@ def _segment_forward(stack: Stack, a: int, b: int) -> Callable[[mx.array, list[A
 def _segment_vjp(stack: Stack, a: int, b: int, mlp_chunks: int = 1
                  ) -> Callable[[mx.array, mx.array, list[Any], mx.array | None], list[mx.array]]:
     """(h_in, cotangent of the output, masks, positions) -> [cotangent of h_in, grads of each trainable array of
-    layers a..b-1].
-
-    The grads come in the order of tree_flatten(layer.trainable_parameters()), layer by layer. With
-    mlp_chunks > 1 each layer's MLP is differentiated in that many token chunks (orpo.engine.tiled).
-    """
+    layers a..b-1, layer by layer in tree_flatten order]; each MLP in `mlp_chunks` token chunks (orpo.engine.tiled)."""
     layers = stack.layers[a:b]
 
     def vjp(h_in: mx.array, cot: mx.array, masks: list[Any], positions: mx.array | None) -> list[mx.array]:
@@ -136,11 +123,8 @@ def _segment_vjp(stack: Stack, a: int, b: int, mlp_chunks: int = 1
 
 
 def _compiled_segment(stack: Stack, layout: Layout, a: int, b: int, what: str, mlp_chunks: int = 1) -> Callable:
-    """`_segment_forward` or `_segment_vjp` of layers a..b-1 under mx.compile, kept per model and program.
-
-    The layers' own arrays (dropout keys included) are the compiled function's implicit inputs; masks and
-    positions travel as arrays (orpo.engine.compiled).
-    """
+    """`_segment_forward` or `_segment_vjp` of layers a..b-1 under mx.compile, kept per model and program (the
+    layers' arrays, dropout keys included, its implicit inputs; masks and positions arrays: orpo.engine.compiled)."""
     states = [layer.state for layer in stack.layers[a:b]]
 
     def call(*args: Any) -> Any:
@@ -169,15 +153,11 @@ def segmented_value_and_grad(model: nn.Module, stack: Stack, layout: Layout, hea
                              compiled: bool = False, overlap: int = 0, mlp_chunks: int = 1,
                              into: dict[str, mx.array] | None = None
                              ) -> tuple[tuple[mx.array, dict[str, mx.array]], Any]:
-    """((loss, metrics), grads) of head_loss(last layer's output) over the layout, grads shaped like trainable_parameters().
+    """((loss, metrics), grads) of head_loss(last layer's output), grads shaped like trainable_parameters().
 
-    `into`: running sums keyed by path; each gradient is added into them as it is evaluated and the returned
-    grads are the sums (see add_into).
-
-    `compiled`: each segment's forward and backward run under mx.compile (same math; MLX fuses the
-    elementwise kernels). `overlap`: segments whose evaluation may still run while the next one is
-    queued (0: each waited for, one segment's working set at a time; orpo.engine.queue). `mlp_chunks`:
-    token chunks of each layer's MLP backward (orpo.engine.tiled).
+    `into`: running sums the gradients are added into as evaluated (the grads returned are the sums). `compiled`:
+    segments under mx.compile. `overlap`: evaluations left in flight (orpo.engine.queue). `mlp_chunks`: token
+    chunks of each layer's MLP backward (orpo.engine.tiled).
     """
     n = len(stack.layers)
     bounds = list(range(0, n, segment_layers)) + [n]

@@ -1,12 +1,8 @@
-"""Our own forward through an mlx-lm model's parts, so we choose the attention mask and the RoPE positions.
+"""Our forward through an mlx-lm model's parts (embedding, decoder layers, final norm), choosing masks and positions.
 
-embedding (gemma's sqrt(H) scale included) -> decoder layers, each run by orpo.engine.forward with an
-explicit mask and positions -> final norm. On a plain layout (ordinary causal rows) every layer gets the
-very mask the model would build itself, so the hidden states are bit-identical to `model.model(tokens)`.
-A packed layout (prefix sharing) carries per-token logical positions and the keys rejected's tokens may
-not see; its full-attention layers attend as two causal attentions (SplitRows, the default) or one causal
-attention with exclusion dims (ExclusionMask); sliding windows and gemma2's own attention take a block
-mask. Sliding windows are applied on the logical positions, and RoPE is taken at them.
+On a plain layout every layer gets the mask the model would build itself, so the hidden states are
+bit-identical to `model.model(tokens)`; a packed layout (prefix sharing) carries per-token positions and what
+rejected's tokens may not see (docs/architecture.md).
 """
 
 from __future__ import annotations
@@ -36,10 +32,9 @@ def head_dim_of(model: nn.Module) -> int:
 class Layout:
     """Input rows of one forward and, for packed rows, each token's logical position and what it may see.
 
-    `positions`, `restricted` and `hidden_keys` are None for plain causal rows. Otherwise `positions[r, i]` is
-    the RoPE position of token i, and `hidden_keys[r, k]` marks the keys no `restricted[r, q]` query may see
-    (prefix sharing: chosen's, from rejected's tokens, whose positions restart); beyond that, attention is
-    causal. `split`, where the rows are laid out for it, lets full attention run as SplitRows.
+    Packed rows: `positions[r, i]` the RoPE position of token i, `hidden_keys[r, k]` the keys no
+    `restricted[r, q]` query may see (beyond that, causal); `split`, where the rows are laid out for it, lets
+    attention run as SplitRows.
     """
 
     tokens: mx.array
@@ -68,10 +63,8 @@ _SUBSTITUTING = threading.RLock()
 def trainables_replaced(modules: Sequence[nn.Module], arrays: Sequence[mx.array]) -> Iterator[None]:
     """While inside, the modules' trainable arrays are `arrays` (tree_flatten order, module by module); restored after.
 
-    For tracing a function of the parameters (mx.vjp): the modules run on the traced arrays, so the
-    gradients reach them, and afterwards hold their own arrays again, not the traced copies. The one
-    assignment onto mlx-lm modules left (MLX modules read their parameters from themselves, as
-    nn.value_and_grad's update does): scoped, always restored, and serialised across threads.
+    For tracing a function of the parameters (mx.vjp): the modules compute with the traced arrays and hold their
+    own again afterwards; serialised across threads.
     """
     with _SUBSTITUTING:
         saved = [tree_flatten(m.trainable_parameters()) for m in modules]

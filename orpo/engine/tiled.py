@@ -1,14 +1,8 @@
 """Token-tiled MLP backward: a layer's MLP differentiated in token chunks, its activations never held whole.
 
-The MLP acts on each token alone, so its vjp over T tokens is the sum (parameters) and the concatenation
-(inputs) of its vjps over token chunks. Inside the segmented backward's recompute, the engine's forward
-calls `tiled_mlp` of each layer's MLP in its place: a custom function of (x, the MLP's trainable arrays)
-whose forward keeps nothing and whose vjp recomputes one chunk at a time, each chunk made to wait for the
-previous one's results.
-The MLP's [tokens, intermediate] activations, most of a layer's working set, then exist for one chunk at
-a time (as far as MLX's run-ahead allows; `train.engine.memory_limit_gb` bounds that too). The MLP must
-compute the same per token whatever the chunk: a dropout drawn over the input's shape would not (the
-caller refuses it).
+The MLP acts per token, so its vjp is its chunks' vjps, summed (parameters) and concatenated (inputs); each
+chunk waits for the previous one, so the [tokens, intermediate] activations exist a chunk at a time. A dropout
+drawn over the input's shape would differ per chunk: the caller refuses it.
 """
 
 from __future__ import annotations

@@ -12,14 +12,11 @@ MicroStep = Callable[[int, dict[str, mx.array]], tuple[dict[str, mx.array], Any]
 
 
 def accumulate_grads(micro_step: MicroStep, n: int) -> tuple[Any, dict[str, mx.array]]:
-    """Mean gradients and metrics of `micro_step(0..n-1)`, each adding its micro-batch's gradients into the
-    running sums it is given (orpo.engine.segmented.add_into).
+    """Mean gradients and metrics of `micro_step(0..n-1)`, each adding its gradients into the running sums.
 
-    The loss is a mean over pairs, so with equal-size micro-batches the mean of their gradients is the
-    gradient of the whole batch. The sums are evaluated after every micro-batch, so its forward and backward
-    graph is freed before the next one is built: peak memory does not grow with `n`. Only the sums dict holds
-    them between micro-batches, so each addition reuses the old sum's buffer; the segmented backward adds a
-    segment's gradients as it goes, so no second full set of gradients is ever held.
+    With equal-size micro-batches (the loss a mean over pairs) their mean gradient is the whole batch's. The sums
+    are evaluated after every micro-batch, so its graph is freed before the next is built, and only the sums dict
+    holds them, so each addition reuses the old sum's buffer: peak memory does not grow with `n`.
     """
     sums: dict[str, mx.array] = {}
     total_metrics: dict[str, mx.array] = {}

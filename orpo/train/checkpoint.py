@@ -77,10 +77,8 @@ def kept_steps(run_dir: Path) -> list[int]:
 
 
 def prune_checkpoints(run_dir: Path, index: dict[str, Any], keep_last: int) -> list[int]:
-    """Delete checkpoint folders but the newest `keep_last` and the best-margin/best-loss ones; returns the removed.
-
-    index.json keeps every step's sha256, so a removed step can still be replayed (from an earlier kept one).
-    """
+    """Delete checkpoint folders but the newest `keep_last` and the best-margin/best-loss ones; returns the removed
+    (index.json keeps every sha256, so a removed step still replays from an earlier kept one)."""
     if keep_last <= 0:
         return []
     steps = kept_steps(run_dir)

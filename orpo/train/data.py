@@ -49,11 +49,8 @@ def pair_tokens(pairs: Pairs) -> list[int]:
 
 
 def pair_batch(pairs: Pairs, rows: list[int], input_multiple: int | None = None) -> tuple[mx.array, mx.array]:
-    """Tokens and scoring mask of shape [2B, T]: the B chosen sequences, then the B rejected ones.
-
-    T is a multiple of 16, or, given `input_multiple`, one more than a multiple of it (so the model's
-    inputs, tokens[:, :-1], are a whole multiple long).
-    """
+    """Tokens and scoring mask [2B, T] (B chosen sequences, then B rejected): T a multiple of 16, or one more
+    than a multiple of `input_multiple` (so the model's inputs, tokens[:, :-1], are a whole multiple long)."""
     seqs, masks = [], []
     for responses, resp_masks in ((pairs.chosen, pairs.chosen_mask), (pairs.rejected, pairs.rejected_mask)):
         for r in rows:

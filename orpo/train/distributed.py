@@ -1,11 +1,9 @@
 """Data-parallel ranks: which rows of each global batch a rank takes, and the all_sum that joins their gradients.
 
-One seeded schedule of global batches (batch_size * grad_accum * processes rows per optimizer step) is the
-same on every rank. Each step's rows are cut into pieces of batch_size; rank r takes pieces r, r + N,
-r + 2N, ... as its micro-batches, so micro-batch j of the whole step is spread over the N ranks exactly as
-a single process with batch_size * N would hold it. Gradients and metrics are averaged over ranks (every
-piece has the same number of pairs and the loss is a mean over pairs, so that is the global batch's mean),
-token counts summed; then every rank clips and updates identically and the weights stay in sync.
+Each step's rows (one seeded schedule on every rank) are cut into pieces of batch_size; rank r takes pieces
+r, r + N, ..., so micro-batch j is spread over the ranks as one process with batch_size * N would hold it.
+Gradients and metrics are averaged (the global batch's mean), token counts summed; every rank then updates
+identically.
 """
 
 from __future__ import annotations
@@ -41,11 +39,8 @@ def shard_micro_batches(rows: Sequence[int], batch_size: int, rank: int, size: i
 
 @dataclass
 class ShardedDropoutKeys(DropoutKeys):
-    """Dropout keys indexed by the piece's place in the global step (micro * size + rank): distinct per rank's rows.
-
-    With size 1 this is DropoutKeys exactly. With dropout > 0, N ranks draw other masks (other keys, other
-    padded shapes) than one process with the N-times batch: the runs agree in distribution, not in value.
-    """
+    """Dropout keys indexed by the piece's place in the global step (micro * size + rank). With dropout > 0, N
+    ranks draw other masks than one process with the N-times batch: equal in distribution, not in value."""
 
     rank: int = 0
     size: int = 1

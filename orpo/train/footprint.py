@@ -1,9 +1,7 @@
 """The training run's memory, predicted before the first step: weights, gradients, optimizer, activations.
 
-The first three are exact sums over the model's arrays (what is resident between steps, and the gradients a
-step holds at its end); the activations are an estimate from the model's geometry, the engine's settings and
-the longest pairs of the data. The trainer prints the prediction before it trains and keeps it in index.json
-beside the measured peak (`run.memory_predicted`, `run.memory.peak_gb`).
+The first three are exact sums over the model's arrays; the activations an estimate from the geometry, the
+engine's settings and the data's longest pairs. index.json keeps it beside the measured peak.
 """
 
 from __future__ import annotations
@@ -40,18 +38,15 @@ def parameter_bytes(model: Any, master_dtype: Any, grad_copies: float) -> dict[s
 
 def activation_bytes(args: Any, dtype: Any, rows: int, width: int, scored: int, engine: dict[str, Any],
                      head_trains: bool, fused_attention: bool) -> int:
-    """An estimate of a micro-batch's activations at its largest: `rows` rows of `width` positions (in `dtype`),
-    `scored` of them reaching the head.
+    """An estimate of a micro-batch's activations at its largest: `rows` rows of `width` positions, `scored`
+    of them reaching the head.
 
-    A decoder layer keeps about 5 H + 2 q + 4 kv + 5 I values per token for its backward (norm inputs and outputs,
-    q/k/v before and after RoPE, the attention output; the MLP's gate, up, activation and product): all layers
-    without segments, one segment's plus the boundaries with them (its MLP part divided among mlp_chunks). The head:
-    [tokens, V] logits in the model's dtype and twice in float32 for the naive one; for the fused one [chunk, V]
-    float32 blocks, about 8 in flight in one graph and 2 evaluated chunk by chunk under segments (measured,
-    tests/test_engine_head.py), and its [V, H] float32 weight-gradient accumulator when the head trains. Where
-    attention is not fused (MLX off CUDA differentiates a materialised one), each layer also keeps its
-    [rows, heads, width, width] probabilities in float32 (CPU, cpu-small geometry, one pair of 1024 + 1024 +
-    1024: predicted 1.5 GB, measured 1.19).
+    A decoder layer keeps about 5 H + 2 q + 4 kv + 5 I values per token for its backward: all layers without
+    segments, one segment's plus the boundaries with them (its MLP part divided among mlp_chunks). The head: the
+    naive one's [tokens, V] logits in the model's dtype and twice in float32; the fused one's [chunk, V] float32
+    blocks, about 8 in flight in one graph and 2 chunk by chunk under segments (tests/test_engine_head.py), plus
+    a [V, H] float32 accumulator when it trains. Attention that is not fused (off CUDA) keeps float32
+    [rows, heads, width, width] probabilities per layer (CPU, one pair of 3 x 1024: predicted 1.5 GB, measured 1.19).
     """
     tokens = rows * width
     hidden = args.hidden_size

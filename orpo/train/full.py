@@ -1,12 +1,8 @@
 """Full-parameter training (`train.method: full`): every weight of the model trains, bar `train.full.freeze`.
 
-No LoRA layers: the model's own weights are the trainable parameters, the embedding and the head included
-(a tied head is the embedding, so it trains with it). The model computes in its own dtype (bf16 for a bf16
-folder) while the optimizer keeps float32 master weights and moments (`orpo.optim.FlatAdamW` with
-`master_dtype`); see `full_adamw`. What a run writes differs from LoRA's only in its weights: each
-checkpoint folder is itself a loadable model folder (`model.safetensors` in the model's dtype, the base's
-config and tokenizer files), with the optimizer's master weights and moments beside it, and the run ends
-with `model/`, the final one, for `orpo generate --model <run>/model` (or `--adapter <run>`).
+The model computes in its own dtype while the optimizer keeps float32 master weights and moments
+(`full_adamw`). Each checkpoint folder is itself a loadable model folder (with the optimizer's state beside
+it), and the run ends with `model/`, the final one (`orpo generate --model <run>/model`).
 """
 
 from __future__ import annotations
@@ -57,11 +53,8 @@ def frozen_modules(model: nn.Module, freeze: list[str]) -> list[str]:
 
 
 def apply_full(model: nn.Module, settings: dict[str, Any]) -> dict[str, Any]:
-    """Make every weight of `model` trainable but the frozen modules; returns the run's weight record.
-
-    A quantized model cannot train its packed weights: refused. The record plays the part of a LoRA run's
-    `adapter_config` (the session's, written into each checkpoint folder as `full_config.json`).
-    """
+    """Make every weight of `model` trainable but the frozen modules; returns the run's weight record (what
+    adapter_config is to LoRA). A quantized model is refused."""
     quantized = [name for name, m in model.named_modules()
                  if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))]
     if quantized:
@@ -87,12 +80,8 @@ def apply_full(model: nn.Module, settings: dict[str, Any]) -> dict[str, Any]:
 def full_adamw(kind: str, lr: float, total_steps: int, warmup_steps: int, weight_decay: float,
                bias_correction: bool = False) -> FlatAdamW:
     """AdamW over every trainable weight with float32 master weights and moments, in buckets of BUCKET_ELEMENTS
-    updated one at a time in place (so the update needs a bucket's temporaries, not a model's).
-
-    The model's weights stay in their own dtype and are refreshed from the masters after each update: at a
-    bf16 model's lr of 5e-6 an update is below half a bf16 ulp of most weights and would be lost in place
-    (tests/test_train_full.py shows it); a float32 master accumulates it.
-    """
+    updated one at a time in place. At a bf16 model's lr of 5e-6 an update is below half a bf16 ulp of most weights
+    and would be lost in place (tests/test_train_full.py); a float32 master keeps it."""
     return FlatAdamW([lr_schedule(kind, lr, total_steps, warmup_steps)], weight_decay, lambda name: 0,
                      master_dtype=mx.float32, bucket_elements=BUCKET_ELEMENTS, bias_correction=bias_correction,
                      bucketwise=True)

@@ -24,12 +24,8 @@ def derive_key(*parts: int) -> mx.array:
 
 @dataclass
 class DropoutKeys:
-    """Where training is (step, micro-batch): what every LoRA layer's dropout key is derived from.
-
-    Each registered layer holds its current key as an array in the model's own tree (`_dropout_key`),
-    rewritten when the pointer moves: a compiled step (orpo.engine.compiled) then reads the keys as inputs
-    along with the weights, instead of tracing a key made inside the graph as a constant.
-    """
+    """Where training is (step, micro-batch): what every LoRA layer's dropout key is derived from. Each layer
+    holds its key in the model's tree (`_dropout_key`), so a compiled step reads it as an input."""
 
     seed: int
     step: int = 0

@@ -1,9 +1,8 @@
 """LoRA adapters: our own layer (keyed init and dropout), saved in the format `mlx_lm.load(adapter_path=...)` reads.
 
-The layer computes exactly what mlx-lm's `LoRALinear` computes in eval mode (`y + scale * (x @ A) @ B`,
-same `lora_a`/`lora_b` names and shapes), so mlx-lm loads our adapters unchanged. It differs only in
-where randomness comes from: A's init and the training-time dropout mask come from keys derived from
-(seed, step, micro-batch, module index) instead of the global RNG, so every recompute sees the same mask.
+The layer computes what mlx-lm's `LoRALinear` computes in eval mode (same `lora_a`/`lora_b`), so mlx-lm loads
+our adapters unchanged; A's init and the dropout masks come from keys derived from (seed, step, micro-batch,
+module index) instead of the global RNG, so every recompute sees the same mask.
 """
 
 from __future__ import annotations
@@ -106,10 +105,8 @@ def _layer_count(num_layers: int, total: int) -> int:
 
 
 def apply_lora(model: nn.Module, settings: LoraSettings, seed: int, keys: DropoutKeys | None = None) -> dict[str, Any]:
-    """Freeze `model`, add LoRA layers (initialised from `seed`) and return the adapter_config.json dict.
-
-    `keys` is the shared step/micro-batch pointer the layers' dropout keys come from (the trainer moves it).
-    """
+    """Freeze `model`, add LoRA layers (initialised from `seed`, dropout keyed by `keys`) and return the
+    adapter_config.json dict."""
     rank = settings.rank
     scale = settings.alpha / (rank ** 0.5 if settings.rslora else rank)
     if settings.num_layers == 0:

@@ -1,14 +1,10 @@
 """MLX's buffer cache, bounded by the run: freed buffers are kept for reuse only up to what fits beside the peak.
 
-Why: MLX reuses a cached buffer only for a request of about its own size, and on a GPU it caches up to its
-memory limit by default (CUDA: 95% of the device). With variable-length batches every new padded shape
-leaves buffers of new sizes in the cache, until CUDA's allocator fails beside a small active set
-(bench/README.md). `auto` caches nothing in the first step (its peak is not measured yet; a 7B full-parameter
-step failed with a cache sized beside its predicted peak and runs with none), then caps the cache at two steps'
-working sets (peak minus what was resident before the first step: room to reuse every buffer of a repeated
-shape) and at what is left beside the peak under HEADROOM of the device's memory, moved as the peak grows.
-Throughout the run MLX's memory limit stands at that ceiling too, so that a step wider than any before it has
-MLX release cached buffers before active plus cached memory passes it.
+MLX reuses a cached buffer only for a request of about its size and on a GPU caches up to its memory limit, so
+variable-length batches fill the cache until CUDA's allocator fails (bench/README.md). `auto` caches nothing in
+the first step (a 7B full-parameter step failed with a cache beside its predicted peak), then caps the cache at
+two steps' working sets and at what is left beside the peak under HEADROOM of the device, moved as the peak
+grows; MLX's memory limit stands at that ceiling throughout.
 """
 
 from __future__ import annotations

@@ -1,17 +1,14 @@
 """Preference objectives as pure functions of per-sequence response log-probs (train.objective).
 
-Every engine path computes the same per-pair quantities: the mean response log-probs l_w, l_r (chosen,
-rejected), the scored-token counts (so the summed log-probs s = l * count), and where train.nll_span says so
-the chosen sequence's mean log-prob over its NLL span. The objectives below are functions of those alone,
-so each engine setting serves each objective:
+Every engine path gives the mean response log-probs l_w, l_r (chosen, rejected), the scored-token counts (so
+the summed log-probs s = l * count) and, where train.nll_span says so, the chosen sequence's mean log-prob
+over its NLL span; so each engine setting serves each objective:
 
 - orpo (Hong et al. 2024): NLL(chosen) + λ · -log σ(log odds(l_w) - log odds(l_r)).
 - simpo (Meng et al. 2024): -log σ(β (l_w - l_r) - γ), no NLL term.
-- orpo_margin: NLL(chosen) + λ · SimPO's term (ORPO's anchor with a target margin γ).
-- sft_simpo: NLL(chosen) + SimPO's term.
+- orpo_margin: NLL(chosen) + λ · SimPO's term; sft_simpo: NLL(chosen) + SimPO's term.
 - dpo (Rafailov et al. 2023): -log σ(β_dpo ((s_w - s_w_ref) - (s_r - s_r_ref))) on summed log-probs, the
-  reference's (no gradient) from the same model with its LoRA adapters off, or in full-parameter training
-  from a frozen copy of the starting weights.
+  reference's from the model with its LoRA adapters off (full-parameter training: a frozen copy).
 """
 
 from __future__ import annotations
@@ -68,11 +65,8 @@ _LN_HALF = -math.log(2.0)
 
 
 def log1mexp(x: mx.array) -> mx.array:
-    """log(1 - exp(x)) for x < 0, stable at both ends (Maechler's two-branch form).
-
-    Each branch gets a clamped input so the branch `where` discards never produces inf/NaN, whose
-    gradient would otherwise poison the one it keeps.
-    """
+    """log(1 - exp(x)) for x < 0, stable at both ends (Maechler's two-branch form); each branch's input is
+    clamped so the branch `where` discards makes no inf/NaN to poison the gradient."""
     x = mx.minimum(x, -1e-12)
     near = x > _LN_HALF
     x_near = mx.where(near, x, _LN_HALF)
@@ -122,10 +116,9 @@ def pair_objective(loss: PairLoss | float, logps: mx.array, counts: mx.array,
                    nll_logp: mx.array | None = None) -> tuple[mx.array, dict[str, mx.array]]:
     """Batch mean of `loss`'s objective over n pairs and the metrics the trainer logs.
 
-    `logps` [2n] the mean response log-probs (chosen rows, then rejected), `counts` [2n] their scored tokens,
-    `nll_logp` [n] the chosen sequences' mean log-prob over the NLL span where it is not the response.
-    Every objective logs ORPO's terms too (or_loss, log_odds); the others `pref_loss` too, their own preference
-    term (orpo's is or_loss).
+    `logps` [2n] mean response log-probs (chosen, then rejected), `counts` [2n] their scored tokens, `nll_logp`
+    [n] the chosen sequences' mean log-prob over the NLL span where it is not the response. Every objective logs
+    ORPO's terms too; the others also `pref_loss`, their own preference term.
     """
     loss = pair_loss_of(loss)
     o = loss.objective

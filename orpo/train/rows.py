@@ -1,17 +1,9 @@
 """Pairs -> the engine's forward rows (a Layout) plus where each scored token's predicting hidden state sits.
 
-Two layouts. `plain_rows`: the trainer's [chosen; rejected] causal rows (2B rows). `shared_rows`: prefix
-sharing, one row per pair, rejected blind to chosen and its RoPE positions restarted at the prompt length,
-so the prompt is computed once. Its rows are aligned, [prompt; chosen; pad | rejected; pad] with every
-rejected block at one column (what the split attention needs: `orpo.engine.attention.SplitRows`), or tight,
-[prompt; chosen; rejected; pad] (attended with the exclusion dims). Widths and target counts are
-rungs of `orpo.batching.ladder`, so variable-length data gives few distinct shapes (and compiled traces).
-A pair's prompt is everything before its first scored token; a pair whose chosen and rejected prompts
-differ (a pair given as two full sequences with `prompt=[]`) falls back to two independent blocks in its
-row (nothing shared, rejected's positions restart at 0) and is counted.
-With LoRA dropout, a shared row draws its masks over the row's own shape, and the prompt's mask serves
-both responses: the same distribution per token as two forwards, but not the same draws (deterministic
-all the same: the keys are (seed, step, micro-batch, module)).
+`plain_rows`: the trainer's [chosen; rejected] causal rows. `shared_rows`: prefix sharing, one row per pair,
+the prompt computed once (docs/architecture.md). Widths and target counts are rungs of `orpo.batching.ladder`,
+so variable-length data gives few distinct shapes (and compiled traces). With LoRA dropout, a shared row's
+prompt mask serves both responses: the same distribution per token as two forwards, not the same draws.
 """
 
 from __future__ import annotations
@@ -32,15 +24,11 @@ from orpo.train.data import Pairs, pair_batch
 class PackedPairs:
     """A layout and, per scored token, the flat [row * width + position] index of the hidden state predicting it.
 
-    `weights[k, m]` is 1/(scored tokens of sequence k) when target m belongs to sequence k: rows 0..B-1 are
-    the chosen sequences, B..2B-1 the rejected ones, so `weights @ logp` is the per-sequence mean. The
-    targets are padded to a rung of `ladder` with weight-0 entries (index 0, target 0), so the head's
-    input shape, like the rows', takes few values. `nll_weights` [B, M], only for the NLL span
-    prompt_and_response, averages each chosen sequence's NLL tokens (its prompt's, then its scored response's:
-    the prompt's are extra targets, of weight 0 in `weights`).
-    `row_tokens` counts the pairs' tokens as the rows hold them
-    (a shared prompt once), `two_forward_tokens` as two separate sequences per pair would (as bench/engine.py
-    counts them); padding is in neither.
+    `weights[k, m]` is 1/(scored tokens of sequence k) when target m belongs to sequence k (chosen sequences, then
+    rejected): `weights @ logp` is the per-sequence mean. The targets are padded to a rung of `ladder` with weight-0
+    entries. `nll_weights` [B, M], for the NLL span prompt_and_response only, averages each chosen sequence's
+    prompt and response tokens. `row_tokens` counts the pairs' tokens as the rows hold them (a shared prompt
+    once), `two_forward_tokens` as two sequences per pair would; padding is in neither.
     """
 
     layout: Layout
@@ -108,10 +96,7 @@ def _targets(layout: Layout, index: list[int], targets: list[int], groups: list[
 
 def _prompt_targets(pairs: Pairs, width: int, nll_span: str) -> tuple[list[int], list[int], list[int]] | None:
     """Each chosen prompt's tokens as targets (flat index, token, count per pair); None for the response span.
-
-    Both layouts hold pair i's chosen sequence from column 0 of row i, so prompt token t (t >= 1: token 0 has
-    no predecessor) is predicted at row i, column t - 1.
-    """
+    Both layouts hold pair i's chosen sequence from column 0 of row i: prompt token t >= 1 is predicted at t - 1."""
     if nll_span == "response":
         return None
     index, targets, counts = [], [], []
@@ -147,17 +132,12 @@ def shared_rows(pairs: Pairs, input_multiple: int | None = None, attention: str 
                 tight: bool = True, nll_span: str = "response") -> PackedPairs:
     """Prefix sharing: one row per pair holding its prompt once, chosen, then rejected blind to chosen.
 
-    Aligned rows ([prompt; chosen[:-1]; pad | rejected own; pad], every rejected block at one column, a rung
-    of `input_multiple` (16 if None), the row ending at another) let the split attention run each part at
-    widths of that multiple (128 on CUDA: cuDNN's backward); the pad between chosen and rejected is hidden
-    from rejected like chosen's own tokens. Tight rows ([prompt; chosen[:-1]; rejected own; pad]) hold no
-    padding but at the end. `attention` "split" takes aligned rows, "exclusion" tight ones, and
-    "auto" aligned rows where they are no wider than tight ones and every pair has one prompt length (one
-    rejected attention, one trace), else tight rows, or, where `tight` says they cannot be attended with
-    the exclusion dims at full speed (orpo.engine.attention.exclusion_fits), the plain two-forward rows.
-    Pads are never scored. The layout holds per-token vectors only (positions, which tokens are rejected's,
-    which keys rejected may not see) and, aligned, the SplitRows structure; an [L, L] visibility is built on
-    the device only where a layer needs it.
+    Aligned rows ([prompt; chosen[:-1]; pad | rejected own; pad], every rejected block at one column) let the
+    split attention run each part at widths of `input_multiple`; tight rows ([prompt; chosen[:-1]; rejected own;
+    pad]) pad only at the end. `attention` "split" takes aligned rows, "exclusion" tight ones, "auto" aligned
+    rows where they are no wider and every pair has one prompt length, else tight rows, or, where not `tight`
+    (the exclusion dims would not run at full speed: orpo.engine.attention.exclusion_fits), the plain rows.
+    A pair whose prompts differ falls back to two independent blocks in its row, and is counted.
     """
     multiple = input_multiple or 16
     heads, tails, shared = [], [], []

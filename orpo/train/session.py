@@ -1,9 +1,8 @@
-"""One training session: model with LoRA, optimizer, data and step order, and the step shared by train/resume/replay.
+"""One training session: model, optimizer, data and step order, and the step shared by train/resume/replay.
 
-A step is two halves so the host's work overlaps the device's: `prepare(step)` builds its micro-batches'
-rows on the host (no device work), `run(step, batches)` builds the graph of the step (gradients through the
-engine, then clipping and the optimizer update under one `mx.compile`) and returns its metrics unevaluated.
-The trainer starts a step, prepares the next while the device runs it, then reads the metrics.
+A step is two halves so the host's work overlaps the device's: `prepare(step)` builds its rows on the host,
+`run(step, batches)` builds the step's graph (gradients, then clip and update under one `mx.compile`) and
+returns its metrics unevaluated.
 """
 
 from __future__ import annotations
@@ -128,11 +127,8 @@ class Session:
         return len(self.schedule)
 
     def micro_batches(self, step: int) -> list[list[int]]:
-        """This rank's rows of global step `step` (1-based), cut into micro-batches of batch_size.
-
-        The step's rows are cut in order of length: the same pairs make the step, so the same mean gradient,
-        but each micro-batch holds pairs of similar lengths and so little padding.
-        """
+        """This rank's rows of global step `step` (1-based) in micro-batches of batch_size, cut in order of length:
+        the same mean gradient, each micro-batch of similar lengths (little padding)."""
         rows = sorted(self.schedule[step - 1], key=lambda r: (self._lengths[r], r))
         return self.shard.micro_batches(rows, self.s.batch_size)
 
@@ -176,10 +172,8 @@ class Session:
         return self.run(step, self.prepare(step)).read()
 
     def update_fn(self) -> Callable:
-        """Clip and optimizer update as one compiled function of the gradients (the state read and written in place).
-
-        Compiled anew whenever the optimizer took its weights from the model again (a start, a checkpoint restore).
-        """
+        """Clip and optimizer update as one compiled function of the gradients, compiled anew whenever the optimizer
+        took its weights from the model again (a start, a restore)."""
         if not self.opt.attaches:
             self.opt.attach(self.model)
         if self.opt.bucketwise:  # evaluated bucket by bucket, each bucket's rule compiled on its own
@@ -233,12 +227,8 @@ def _refuse_identical(pairs: Pairs, path: Path) -> None:
 
 def build_session(base_dir: str | Path, rendered_dir: str | Path, settings: TrainSettings,
                   resolved: ResolvedRun | None = None, dtype: str = "auto") -> Session:
-    """Load the base model in `dtype` (model.dtype), add LoRA (warm-started if asked) or make every
-    weight trainable (train.method full), and set up the optimizer
-    and the step order.
-
-    `resolved`: the run's recorded resolution of `settings` (resume, replay); None decides it here.
-    """
+    """Load the base model in `dtype`, add LoRA (warm-started if asked) or make every weight trainable (method
+    full), and set up the optimizer and the step order; `resolved`: the run's recorded resolution, None: decide it."""
     shard = join(settings.distributed)
     model_dir = resolve_model_dir(base_dir, weights=True)
     model, _, precision = load_model(model_dir, dtype, announce=shard.is_main)

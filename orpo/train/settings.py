@@ -1,9 +1,7 @@
 """The train stage's settings (config section `train`), typed, and what one run resolved them to on its machine.
 
-`TrainSettings` is built once at the command line from the validated section (orpo.settings.build: the
-schema's defaults, no others). The engine's `auto` values depend on the machine, so a run decides them once
-(`orpo.train.session.resolve_run`) and records a `ResolvedRun` in its settings.json with the machine it ran
-on; resume and replay use that record instead of deciding again.
+A run decides the machine-dependent `auto` values once (`orpo.train.session.resolve_run`) and records a
+`ResolvedRun` in its settings.json; resume and replay use that record.
 """
 
 from __future__ import annotations
@@ -35,11 +33,7 @@ class LoraSettings:
 @dataclass(frozen=True)
 class EngineSettings:
     """train.engine: how the step computes (all choices give the same loss and gradients within float tolerance).
-
-    As configured, `prefix_sharing`, `compile` and `attention_backward` may be "auto" and `width_multiple` 0
-    (auto); resolved (`orpo.train.step.resolve_engine`), the first two are booleans, `attention_backward` fused
-    or ordered and `width_multiple` the multiple used (0 stays: the loader's 16-token rounding).
-    """
+    Resolved (`orpo.train.step.resolve_engine`), no value is `auto`; `width_multiple` 0 stays the loader's 16."""
 
     head: str
     head_chunk: int
@@ -193,11 +187,8 @@ def as_recorded(settings: Mapping[str, Any]) -> Mapping[str, Any]:
 
 @dataclass(frozen=True)
 class ResolvedRun:
-    """The settings a run uses, every `auto` decided once, and the machine that decided them.
-
-    `tight_rows`: whether shared-prefix rows of pairs of their own lengths may be tight (the exclusion dims at
-    full speed on this model and device, orpo.train.step.tight_rows_fit); `auto` attention asks it.
-    """
+    """The settings a run uses, every `auto` decided once, and the machine that decided them; `tight_rows`:
+    whether shared-prefix rows may be tight (orpo.train.step.tight_rows_fit)."""
 
     settings: TrainSettings
     tight_rows: bool
@@ -233,12 +224,9 @@ class ResolvedRun:
 
 
 def recorded_run(run_dir: str | Path) -> tuple[TrainSettings, ResolvedRun | None, dict[str, Any]]:
-    """A run folder's settings.json: its settings as configured, as the run resolved them, and the whole record.
-
-    The resolution is None in a record that has none (the settings are then resolved on this machine). A
-    machine of another backend cannot reproduce the run: ValueError saying what was recorded and what is here,
-    before any work. A different device name or MLX version is only warned about.
-    """
+    """A run folder's settings.json: its settings as configured, as the run resolved them (None in a record
+    without), and the whole record. Another backend is refused (ValueError, before any work); another device
+    name or MLX version is warned about."""
     path = Path(run_dir) / "settings.json"
     record = json.loads(path.read_text())
     settings = from_mapping(TrainSettings, as_recorded(record["settings"]), f"{path}: settings")

@@ -1,12 +1,9 @@
 """One training step, top to bottom: pairs -> rows -> log-probs -> loss -> gradients.
 
-`prepare` packs a micro-batch's pairs into the engine's rows on the host; `batch_value_and_grad` runs
-them through the model (orpo.engine: our stack forward, the log-prob head, the segmented backward) to
-per-sequence mean log-probs, the loss over them (train.objective: orpo.train.objectives) and the LoRA
-gradients. The settings (train.engine: head x segment_layers x prefix_sharing x width_multiple x compile)
-compose freely and give the same loss and gradients within float tolerance. All naive, no segments, no
-sharing is the plain path: full logits of [chosen; rejected] rows under nn.value_and_grad, the oracle the
-others are tested against.
+`prepare` packs a micro-batch's pairs into the engine's rows on the host; `batch_value_and_grad` runs them
+through orpo.engine to the loss (orpo.train.objectives) and the gradients. The train.engine settings compose
+freely and give the same loss and gradients within float tolerance; all off is the plain path (full logits of
+[chosen; rejected] rows under nn.value_and_grad), the oracle the others are tested against.
 """
 
 from __future__ import annotations
@@ -101,12 +98,10 @@ def prompt_nll_mask(pairs: Pairs, mask: mx.array) -> mx.array:
 
 @dataclass(frozen=True)
 class MicroBatch:
-    """One micro-batch as the step reads it, built on the host ahead of its step (nothing runs on the device).
+    """One micro-batch as the step reads it, built on the host ahead of its step.
 
-    `packed` holds the engine's rows, `plain` the oracle path's [chosen; rejected] tokens and scoring mask, and
-    `plain_nll` its chosen rows' NLL mask where the NLL spans the prompt too (train.nll_span).
-    The counts: `scored` response tokens, `row_tokens` and `two_forward_tokens` the pairs' tokens as the
-    rows hold them and as two forwards would, `positions` the rows' size with their padding.
+    `packed`: the engine's rows; `plain`: the oracle path's [chosen; rejected] tokens and mask, `plain_nll` its
+    NLL mask for the prompt_and_response span. Counts as PackedPairs has them; `positions` includes padding.
     """
 
     n: int
@@ -232,11 +227,10 @@ def batch_value_and_grad(model: nn.Module, batch: MicroBatch, loss: PairLoss | f
                          into: dict[str, mx.array] | None = None,
                          reference: nn.Module | None = None) -> tuple[tuple[mx.array, dict[str, mx.array]], Any]:
     """((loss, metrics), grads) of the objective `loss` names (a number: ORPO's λ) over a prepared micro-batch;
-    metrics as pair_objective's plus prefix_fallbacks (the pairs whose prompts differ: no sharing for them).
+    metrics as pair_objective's plus prefix_fallbacks (pairs whose prompts differ: no sharing for them).
 
-    grads has the tree structure of model.trainable_parameters(), as nn.value_and_grad gives it. Given running
-    sums `into` (gradient accumulation), the gradients are added into them and grads are the sums. `reference`:
-    dpo's reference model where it is not `model` with its adapters off (reference_logps).
+    grads has model.trainable_parameters()'s tree; given running sums `into`, they are added in and returned.
+    `reference`: dpo's reference model where it is not `model` with its adapters off.
     """
     e = engine
     n = batch.n
@@ -291,11 +285,8 @@ def _compiled_whole(model: nn.Module, packed: PackedPairs, loss: PairLoss,
 
 def _segmented(model: nn.Module, packed: PackedPairs, loss: PairLoss, e: EngineSettings,
                into: dict[str, mx.array] | None = None) -> tuple[tuple[mx.array, dict[str, mx.array]], Any]:
-    """((loss, metrics), grads) through the segmented backward; a fused head runs eagerly, chunk by chunk.
-
-    The head is read from the model inside each function, so where it trains (full-parameter training) the
-    segmented backward's replaced arrays are the ones differentiated.
-    """
+    """((loss, metrics), grads) through the segmented backward; a fused head runs eagerly, chunk by chunk. The
+    head is read from the model inside each function: where it trains, the replaced arrays are differentiated."""
     stack = Stack(model, e.attention_backward == "ordered")
     if e.mlp_chunks > 1:
         refuse_mlp_dropout(stack.layers)

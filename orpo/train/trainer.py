@@ -50,16 +50,12 @@ NO_VALIDATION = ("no validation pairs (curate.validation_fraction 0: every pair 
 
 def train(base_dir: str | Path, rendered_dir: str | Path, out_dir: str | Path,
           settings: TrainSettings, dtype: str = "auto") -> dict[str, Any] | None:
-    """Train an ORPO adapter (or, with method full, the model) on the base model in `dtype` (model.dtype); write
-    the run folder (adapter or model/, checkpoints, index, metrics).
+    """Train an adapter (or, with method full, the model) on the base model in `dtype`; write the run folder.
 
-    Work happens in `<out_dir>.partial`; a run killed midway resumes there from its last checkpoint when
-    started again with the same settings, and the folder is renamed to `out_dir` when the run completes.
-    With several ranks only rank 0 evaluates, logs and writes (and returns the index); the others compute
-    their shards, return None, and read the folder only to resume from the checkpoint rank 0 chose.
-    Rank 0 holds `<out_dir>.lock` throughout (`work_lock`). A non-finite step or a diverged validation
-    (`diverged`) stops the run with TrainingError, its checkpoints so far kept in the work folder.
-    The `auto` settings are decided once (or, resuming, read back from the work folder's settings.json).
+    Work happens in `<out_dir>.partial` (rank 0 holding `<out_dir>.lock`): a killed run resumes there from its
+    last checkpoint when started again with the same settings; it is renamed to `out_dir` when complete. Only rank
+    0 evaluates, logs, writes and returns the index. A non-finite step or a diverged validation stops the run
+    with TrainingError. The `auto` settings are decided once (resuming: read back from settings.json).
     """
     out_dir = Path(out_dir)
     work = out_dir.with_name(out_dir.name + ".partial")
@@ -96,8 +92,8 @@ def _resumable(work: Path, settings: TrainSettings, base_dir: str | Path,
 
 @contextlib.contextmanager
 def work_lock(out_dir: Path) -> Iterator[None]:
-    """Hold `<out_dir>.lock` exclusively while training: a second `orpo train` on the same folder fails at
-    once, instead of both adopting the same `.partial` work folder. The file goes when the run ends."""
+    """Hold `<out_dir>.lock` exclusively while training: a second `orpo train` on the same folder fails at once
+    instead of adopting the same `.partial` folder. The file goes when the run ends."""
     path = out_dir.with_name(out_dir.name + ".lock")
     path.parent.mkdir(parents=True, exist_ok=True)
     while True:
@@ -225,12 +221,8 @@ def _train(sess: Session, record: dict[str, Any], rendered_dir: str | Path, out_
 
 
 def diverged(v: dict[str, float], start: dict[str, float], vocab: int, ratio: float) -> str | None:
-    """Why validation metrics `v` count as diverged from the run's start, or None (ratio 0: never).
-
-    Two rules: the validation loss above `ratio` times the start's, or the validation NLL at ln(vocab),
-    what a model predicting every token uniformly scores, reached from below (a base model that starts
-    near uniform is not flagged by it).
-    """
+    """Why validation metrics `v` count as diverged from the run's start, or None (ratio 0: never): the loss above
+    `ratio` times the start's, or the NLL reaching ln(vocab) (a uniform model's) from below."""
     if ratio <= 0:
         return None
     if start["loss"] > 0 and v["loss"] > ratio * start["loss"]:
@@ -332,14 +324,11 @@ def replay(
     run_dir: str | Path, base_dir: str | Path, rendered_dir: str | Path, which: str | int = "best_margin",
     from_: str = "previous",
 ) -> dict[str, Any] | None:
-    """Re-run training to a checkpoint step and compare the sha256 of its weights (adapter or model) with the run's index.
+    """Re-run training to a checkpoint step and compare the sha256 of its weights with the run's index.
 
-    The run's settings.json drives the replay: its resolved settings as the run decided them (a machine of
-    another backend is refused, `recorded_run`), every knob and the dtype it computed in as it ran; a run of N processes replays
-    on N ranks (bit for bit; one process could match it only within float tolerance), and only rank 0
-    returns the record (the others None). `from_="previous"` starts at the
-    latest checkpoint still on disk before the target (its optimizer and loop state restored), so a step
-    pruned by `keep_last` replays from the nearest earlier kept one; `from_="zero"` retrains from step 0.
+    The run's settings.json drives it: its resolved settings (another backend is refused, `recorded_run`) and
+    dtype; a run of N processes replays on N ranks, and only rank 0 returns the record. `from_="previous"` starts
+    at the latest checkpoint on disk before the target (optimizer and loop state restored); "zero" at step 0.
     """
     run_dir = require_complete(run_dir, "training run")
     settings, resolved, record = recorded_run(run_dir)

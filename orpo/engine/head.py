@@ -105,21 +105,16 @@ def token_logp(head: LMHead, h: mx.array, targets: mx.array, fused: bool = True,
     return mx.take_along_axis(logits, targets[:, None], axis=-1)[:, 0] - mx.logsumexp(logits, axis=-1)
 
 
-def _frozen_or_raise(module: nn.Module, where: str) -> None:
-    trainable = [k for k, _ in tree_flatten(module.trainable_parameters())]
-    if trainable:
-        raise ValueError(
-            f"{where} has trainable parameters ({', '.join(trainable)}): a quantized head cannot be trained; "
-            "freeze it (train.full.freeze) or train a float model")
-
-
-def _trainable(module: nn.Module, where: str) -> bool:
-    """Whether a float head trains: its weight (and bias, if any) trainable together, or neither."""
-    names = {k for k, _ in tree_flatten(module.trainable_parameters())}
+def _trains(module: nn.Module, where: str, quantized: bool) -> bool:
+    """Whether a head trains: a float head's weight (and bias, if any) together, or neither; a quantized one never."""
+    names = [k for k, _ in tree_flatten(module.trainable_parameters())]
+    if names and quantized:
+        raise ValueError(f"{where} has trainable parameters ({', '.join(names)}): a quantized head cannot be trained; "
+                         "freeze it (train.full.freeze) or train a float model")
     owned = {"weight"} | ({"bias"} if "bias" in module else set())
-    if names and names != owned:
-        raise ValueError(f"{where}: trainable {sorted(names)} but not {sorted(owned - names)}: the fused head trains "
-                         "the weight and bias together; freeze or unfreeze the whole module")
+    if names and set(names) != owned:
+        raise ValueError(f"{where}: trainable {sorted(names)} but not {sorted(owned - set(names))}: the fused head "
+                         "trains the weight and bias together; freeze or unfreeze the whole module")
     return bool(names)
 
 
@@ -144,12 +139,12 @@ def lm_head_of(model: nn.Module) -> LMHead:
     cap = getattr(model, "final_logit_softcapping", getattr(args, "final_logit_softcapping", None))
     cap = float(cap) if cap else None  # mlx-lm treats 0/None as no cap
     if isinstance(module, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
-        _frozen_or_raise(module, where)
+        _trains(module, where, quantized=True)
         return LMHead(module["weight"], module["scales"], module.get("biases"), module.group_size, module.bits,
                       cap, module.mode, module.get("bias"), fused_bias=False, path=path)
     if isinstance(module, (nn.Linear, nn.Embedding)):
-        return LMHead(module["weight"], softcap=cap, bias=module.get("bias"), trainable=_trainable(module, where),
-                      path=path)
+        return LMHead(module["weight"], softcap=cap, bias=module.get("bias"),
+                      trainable=_trains(module, where, quantized=False), path=path)
     raise ValueError(f"{where} is a {type(module).__name__} (e.g. an adapter on the head): the fused head needs "
                      "a frozen Linear/Embedding or their quantized forms; use train.engine.head: naive")
 
@@ -206,7 +201,7 @@ def _logp_chunks(head: LMHead, h: mx.array, targets: mx.array, chunk: int, forwa
 
 @dataclass(frozen=True)
 class HeadGrads:
-    """Cotangents of the fused head's inputs: the hidden states [M, H] and, for a trainable head, its weight and bias."""
+    """Cotangents of the fused head's inputs: the hidden states [M, H] and, for a trainable head, weight and bias."""
 
     hidden: mx.array
     weight: mx.array | None = None

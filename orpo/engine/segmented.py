@@ -98,15 +98,12 @@ def _head_value_and_grad(head_loss: HeadLoss) -> HeadValueAndGrad:
     return value_and_grad
 
 
-def _segment_forward(stack: Stack, a: int, b: int) -> Callable[[mx.array, list[Any], mx.array | None], mx.array]:
-    """(h, masks, positions) -> layers a..b-1 of h under the given masks, RoPE at the layout's positions."""
-    return lambda h, masks, positions: stack.run(h, masks, a, b, positions)
-
-
-def _segment_vjp(stack: Stack, a: int, b: int, mlp_chunks: int = 1
-                 ) -> Callable[[mx.array, mx.array, list[Any], mx.array | None], list[mx.array]]:
-    """(h_in, cotangent of the output, masks, positions) -> [cotangent of h_in, grads of each trainable array of
-    layers a..b-1, layer by layer in tree_flatten order]; each MLP in `mlp_chunks` token chunks (orpo.engine.tiled)."""
+def _segment(stack: Stack, a: int, b: int, what: str, mlp_chunks: int = 1) -> Callable:
+    """Layers a..b-1: "forward" (h, masks, positions) -> their output; "vjp" (h_in, cotangent of the output, masks,
+    positions) -> [cotangent of h_in, grads of each trainable array, layer by layer in tree_flatten order], each
+    MLP in `mlp_chunks` token chunks (orpo.engine.tiled)."""
+    if what == "forward":
+        return lambda h, masks, positions: stack.run(h, masks, a, b, positions)
     layers = stack.layers[a:b]
 
     def vjp(h_in: mx.array, cot: mx.array, masks: list[Any], positions: mx.array | None) -> list[mx.array]:
@@ -123,8 +120,8 @@ def _segment_vjp(stack: Stack, a: int, b: int, mlp_chunks: int = 1
 
 
 def _compiled_segment(stack: Stack, layout: Layout, a: int, b: int, what: str, mlp_chunks: int = 1) -> Callable:
-    """`_segment_forward` or `_segment_vjp` of layers a..b-1 under mx.compile, kept per model and program (the
-    layers' arrays, dropout keys included, its implicit inputs; masks and positions arrays: orpo.engine.compiled)."""
+    """`_segment` under mx.compile, kept per model and program (the layers' arrays, dropout keys included, its
+    implicit inputs; masks and positions arrays: orpo.engine.compiled)."""
     states = [layer.state for layer in stack.layers[a:b]]
 
     def call(*args: Any) -> Any:
@@ -133,7 +130,7 @@ def _compiled_segment(stack: Stack, layout: Layout, a: int, b: int, what: str, m
         key = ("segment", what, a, b, spec, layout_arrays(layout)[0], mlp_chunks)
 
         def build() -> Callable:
-            inner = _segment_forward(stack, a, b) if what == "forward" else _segment_vjp(stack, a, b, mlp_chunks)
+            inner = _segment(stack, a, b, what, mlp_chunks)
 
             def traced(*xs: Any) -> Any:
                 *lead_t, mask_t, positions_t = xs
@@ -166,13 +163,9 @@ def segmented_value_and_grad(model: nn.Module, stack: Stack, layout: Layout, hea
     # Layers below the lowest trainable one need no backward, unless the embedding trains.
     lowest = 0 if bottom.names else next((i for i, (_, items) in enumerate(per_layer) if items), n)
 
-    def forward(a: int, b: int) -> Callable:
-        return _compiled_segment(stack, layout, a, b, "forward") if compiled else _segment_forward(stack, a, b)
-
-    def backward(a: int, b: int) -> Callable:
-        if compiled:
-            return _compiled_segment(stack, layout, a, b, "vjp", mlp_chunks)
-        return _segment_vjp(stack, a, b, mlp_chunks)
+    def segment(a: int, b: int, what: str) -> Callable:
+        return (_compiled_segment(stack, layout, a, b, what, mlp_chunks) if compiled
+                else _segment(stack, a, b, what, mlp_chunks))
 
     h = mx.stop_gradient(stack.embed(layout.tokens))
     masks = stack.masks(layout, h)
@@ -190,7 +183,7 @@ def segmented_value_and_grad(model: nn.Module, stack: Stack, layout: Layout, hea
     boundary = [h]
     queue.push(h)
     for a, b in segments:
-        h = forward(a, b)(boundary[-1], masks, positions)
+        h = segment(a, b, "forward")(boundary[-1], masks, positions)
         queue.push(h)
         boundary.append(h)
     queue.drain()
@@ -202,7 +195,7 @@ def segmented_value_and_grad(model: nn.Module, stack: Stack, layout: Layout, hea
         h_in = boundary.pop()
         if b <= lowest:
             break
-        cot, *param_grads = backward(a, b)(h_in, cot, masks, positions)
+        cot, *param_grads = segment(a, b, "vjp")(h_in, cot, masks, positions)
         names = [f"{prefix}.{k}" for prefix, items in per_layer[a:b] for k, _ in items]
         queue.push(cot, put(names, param_grads))
     queue.drain()

@@ -36,14 +36,11 @@ class DropoutKeys:
         """Point the keys at optimizer step `step`, micro-batch `micro`."""
         self.step, self.micro = step, micro
         for layer in self.layers:
-            self._refresh(layer)
+            layer._dropout_key = self.key(layer.index)
 
     def register(self, layer: Any) -> None:
         """Keep `layer._dropout_key` at the key of `layer.index` for wherever the pointer is."""
         self.layers.append(layer)
-        self._refresh(layer)
-
-    def _refresh(self, layer: Any) -> None:
         layer._dropout_key = self.key(layer.index)
 
     def key(self, index: int) -> mx.array:

@@ -70,18 +70,17 @@ def rank_envs(n: int, backend: str, workdir: Path) -> list[dict[str, str]]:
     raise ValueError(f"train.distributed.backend {backend!r} on one host: use ring or nccl (or give a hostfile)")
 
 
-def _die_with_parent() -> None:
-    # Linux: SIGTERM this rank when the launcher dies, even by SIGKILL, so no rank outlives its run and
-    # keeps writing into a folder that a restarted run resumes from.
-    if sys.platform.startswith("linux"):
-        import ctypes
-
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
-
-
 def spawn(cmd: list[str], env: dict[str, str]) -> subprocess.Popen:
-    """Start one rank (stdout/stderr shared with the launcher); on Linux it dies with the launcher."""
-    return subprocess.Popen(cmd, env=env, preexec_fn=_die_with_parent)
+    """Start one rank (stdout/stderr shared with the launcher); on Linux it dies with the launcher, even by
+    SIGKILL, so no rank outlives its run and keeps writing into a folder that a restarted run resumes from."""
+
+    def die_with_parent() -> None:
+        if sys.platform.startswith("linux"):
+            import ctypes
+
+            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
+
+    return subprocess.Popen(cmd, env=env, preexec_fn=die_with_parent)
 
 
 def wait_all(procs: list[subprocess.Popen], grace_s: float = 10.0) -> int:

@@ -26,10 +26,11 @@ from orpo.render.template import resolve_model_dir
 from orpo.settings import as_dict
 from orpo.train.accumulate import accumulate_grads
 from orpo.train.data import Pairs, load_pairs, pair_lengths, pair_tokens, scored_counts
-from orpo.train.distributed import Shard, join
+from orpo.train.distributed import BACKEND_ENV, Shard, join
 from orpo.train.full import full_adamw, is_full, start_full
 from orpo.train.keys import DropoutKeys
 from orpo.train.lambdas import ConstantLambda, LambdaController, lambda_schedule
+from orpo.train.launch import resolve_backend
 from orpo.train.lora import adapter_folder, apply_lora, warm_start
 from orpo.train.objectives import Objective, PairLoss, pair_objective
 from orpo.train.settings import EngineSettings, Machine, ResolvedRun, TrainSettings
@@ -43,9 +44,6 @@ class TrainingError(RuntimeError):
 
 def resolve_run(settings: TrainSettings, model: nn.Module) -> ResolvedRun:
     """Every `auto` of `settings` decided on this machine for `model`: once per run (the run folder records it)."""
-    from orpo.train.distributed import BACKEND_ENV
-    from orpo.train.launch import resolve_backend
-
     dist = settings.distributed
     backend = (os.environ.get(BACKEND_ENV) or resolve_backend(dist.backend)) if dist.processes > 1 else dist.backend
     resolved = dataclasses.replace(settings, engine=resolve_engine(settings.engine),
@@ -111,8 +109,7 @@ class Session:
 
     def restore(self, state: dict[str, Any]) -> None:
         """Continue after a checkpoint: its state.json's loop state (the weights and optimizer restored apart)."""
-        if isinstance(self.lambdas, LambdaController):
-            self.lambdas.load(state.get("lambda_controller"))
+        self.lambdas.load(state.get("lambda_controller"))
 
     @property
     def s(self) -> TrainSettings:

@@ -73,20 +73,16 @@ def _targets(layout: Layout, index: list[int], targets: list[int], groups: list[
     m = len(index) + len(p_index)
     total = ladder(max(m, 1), multiple, TARGETS_PER_OCTAVE)
     w = np.zeros((len(groups), total), np.float32)
-    start = 0
+    starts = np.cumsum([0] + groups)
     for k, n in enumerate(groups):
-        w[k, start:start + n] = 1.0 / n if n else 0.0
-        start += n
+        w[k, starts[k]:starts[k + 1]] = 1.0 / n if n else 0.0
     nll = None
     if prompt is not None:
         nll = np.zeros((b, total), np.float32)
-        starts = np.cumsum([0] + groups[:b])
-        p_start = len(index)
+        p_starts = len(index) + np.cumsum([0] + p_groups)
         for k in range(b):
             n = groups[k] + p_groups[k]
-            nll[k, starts[k]:starts[k] + groups[k]] = 1.0 / n if n else 0.0
-            nll[k, p_start:p_start + p_groups[k]] = 1.0 / n if n else 0.0
-            p_start += p_groups[k]
+            nll[k, starts[k]:starts[k + 1]] = nll[k, p_starts[k]:p_starts[k + 1]] = 1.0 / n if n else 0.0
         nll = mx.array(nll)
     pad = [0] * (total - m)  # weight 0: the head scores them, the loss never sees them
     return PackedPairs(layout, mx.array(index + p_index + pad, mx.int32),

@@ -11,6 +11,7 @@ import json
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -131,19 +132,11 @@ class TrainSettings:
     distributed: DistributedSettings
 
 
-def train_settings(mapping: Mapping[str, Any] | None = None, what: str = "settings") -> TrainSettings:
-    """TrainSettings from a `train` mapping: checked against the schema, its defaults filled in."""
-    return build(TrainSettings, "train", mapping, what=what)
-
-
-def engine_settings(mapping: Mapping[str, Any] | None = None, what: str = "settings") -> EngineSettings:
-    """EngineSettings from a `train.engine` mapping (as configured: `auto` values not yet decided)."""
-    return build(EngineSettings, "train.engine", mapping, what=what)
-
-
-def lora_settings(mapping: Mapping[str, Any] | None = None, what: str = "settings") -> LoraSettings:
-    """LoraSettings from a `train.lora` mapping."""
-    return build(LoraSettings, "train.lora", mapping, what=what)
+# Each section's settings from its mapping (`what=` names it in errors): checked against the schema, its defaults
+# filled in; the engine's as configured, `auto` values not yet decided.
+train_settings = partial(build, TrainSettings, "train")
+engine_settings = partial(build, EngineSettings, "train.engine")
+lora_settings = partial(build, LoraSettings, "train.lora")
 
 
 @dataclass(frozen=True)

@@ -76,10 +76,8 @@ class Trackers:
         ids_path = self.folder / IDS_FILE
         ids = json.loads(ids_path.read_text()) if start and ids_path.exists() else {}
         settings = record["settings"]
-        self.backends = []
-        for name in names:
-            backend = {"tensorboard": _TensorBoard, "wandb": _Wandb, "mlflow": _Mlflow}[name]
-            self.backends.append(backend(self.folder, settings, start, ids.get(name)))
+        kinds = {"tensorboard": _TensorBoard, "wandb": _Wandb, "mlflow": _Mlflow}
+        self.backends = [kinds[name](self.folder, settings, start, ids.get(name)) for name in names]
         kept = {b.name: b.run_id for b in self.backends if b.run_id}
         if kept:
             ids_path.write_text(json.dumps(kept, indent=2, sort_keys=True) + "\n")

@@ -47,10 +47,8 @@ class EvalQueue:
 
 @contextmanager
 def memory_limit(gb: float) -> Iterator[None]:
-    """While inside, MLX's memory limit is `gb` (0: left as it is); the previous limit comes back after.
-
-    Past it, evaluation waits for queued work before encoding more: an `EvalQueue` runs ahead while memory allows.
-    """
+    """While inside, MLX's memory limit is `gb` (0: left as it is): past it, evaluation waits for queued work
+    before encoding more, so an `EvalQueue` runs ahead only while memory allows."""
     if gb <= 0:
         yield
         return

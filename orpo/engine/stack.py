@@ -81,10 +81,8 @@ def trainables_replaced(modules: Sequence[nn.Module], arrays: Sequence[mx.array]
 
 
 class Stack:
-    """The parts of one mlx-lm model: embed, run layers a..b with chosen masks and positions, final norm.
-
-    `ordered`: attention differentiated in a fixed order (orpo.engine.attention.ordered_attention).
-    """
+    """The parts of one mlx-lm model: embed, run layers a..b with chosen masks and positions, final norm;
+    `ordered`: attention differentiated in a fixed order (orpo.engine.attention.ordered_attention)."""
 
     def __init__(self, model: nn.Module, ordered: bool = False):
         check_mlx_lm()

@@ -62,10 +62,8 @@ class LoRALinear(nn.Module):
 
 @contextlib.contextmanager
 def adapters_off(model: nn.Module) -> Iterator[None]:
-    """The model without its LoRA updates while inside: the base model's forward, no second copy of its weights.
-
-    Only for eager forwards: a compiled function traced inside would keep the adapters off after it.
-    """
+    """The model without its LoRA updates while inside: the base model's forward, no second copy of its weights
+    (eager forwards only: a compiled function traced inside would keep the adapters off after it)."""
     layers = [m for _, m in model.named_modules() if isinstance(m, LoRALinear)]
     if not layers:
         raise ValueError("train.objective dpo takes its reference from the model with its LoRA adapters off, and "

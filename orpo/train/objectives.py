@@ -75,10 +75,8 @@ def log1mexp(x: mx.array) -> mx.array:
 
 
 def orpo_terms(logp_chosen: mx.array, logp_rejected: mx.array) -> tuple[mx.array, mx.array, mx.array]:
-    """Per row: (nll, or_loss, log_odds) from mean response log-probs l_w, l_r.
-
-    log_odds = (l_w - l_r) - (log1mexp(l_w) - log1mexp(l_r)); or_loss = -log sigmoid(log_odds); nll = -l_w.
-    """
+    """Per row: (nll, or_loss, log_odds) from mean response log-probs l_w, l_r: log_odds = (l_w - l_r) -
+    (log1mexp(l_w) - log1mexp(l_r)); or_loss = -log sigmoid(log_odds); nll = -l_w."""
     log_odds = (logp_chosen - logp_rejected) - (log1mexp(logp_chosen) - log1mexp(logp_rejected))
     or_loss = -nn.log_sigmoid(log_odds)
     return -logp_chosen, or_loss, log_odds

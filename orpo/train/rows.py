@@ -64,10 +64,8 @@ TARGETS_PER_OCTAVE = 4
 def _targets(layout: Layout, index: list[int], targets: list[int], groups: list[int], multiple: int,
              row_tokens: int, two_forward_tokens: int, fallbacks: int,
              prompt: tuple[list[int], list[int], list[int]] | None = None) -> PackedPairs:
-    """PackedPairs with the targets padded to a ladder rung; groups[k] = scored tokens of sequence k, in order.
-
-    `prompt` (index, targets, count per pair) adds the chosen prompts' tokens as targets for the NLL only.
-    """
+    """PackedPairs with the targets padded to a ladder rung; groups[k] = scored tokens of sequence k, in order;
+    `prompt` (index, targets, count per pair) adds the chosen prompts' tokens as targets for the NLL only."""
     b = len(groups) // 2
     p_index, p_targets, p_groups = prompt or ([], [], [0] * b)
     m = len(index) + len(p_index)

@@ -76,10 +76,8 @@ class StepResult:
 
 @dataclass
 class Session:
-    """Everything a step needs: model with LoRA, optimizer, data, the step order and the dropout keys.
-
-    `s` is the run's resolved settings (`resolved.settings`: no `auto` left).
-    """
+    """Everything a step needs: model with LoRA, optimizer, data, the step order and the dropout keys; `s` is the
+    run's resolved settings (no `auto` left)."""
 
     resolved: ResolvedRun
     model: nn.Module

@@ -64,18 +64,14 @@ def train(base_dir: str | Path, rendered_dir: str | Path, out_dir: str | Path,
     record = {"settings": as_dict(settings), "resolved": sess.resolved.to_json(), "base": str(base_dir),
               "rendered": str(rendered_dir), "total_steps": sess.total_steps, "init_adapter": sess.init_adapter,
               "precision": sess.precision.record()}
-    if sess.shard.is_main:
-        with work_lock(out_dir):
-            return _train(sess, record, rendered_dir, out_dir, work)
-    return _train(sess, record, rendered_dir, out_dir, work)
+    with work_lock(out_dir) if sess.shard.is_main else contextlib.nullcontext():
+        return _train(sess, record, rendered_dir, out_dir, work)
 
 
 def _resumable(work: Path, settings: TrainSettings, base_dir: str | Path,
                rendered_dir: str | Path) -> ResolvedRun | None:
-    """The resolved settings an interrupted run of the same settings and inputs recorded in `work`, or None.
-
-    A run resolved on another backend is not continued (its steps would not replay on either): it starts again.
-    """
+    """The resolved settings an interrupted run of the same settings and inputs recorded in `work`, or None; one
+    resolved on another backend is not continued (its steps would not replay on either)."""
     try:
         record = json.loads((work / "settings.json").read_text())
         same = (record["settings"] == json.loads(json.dumps(as_dict(settings))) and record["base"] == str(base_dir)
@@ -133,10 +129,9 @@ def _train(sess: Session, record: dict[str, Any], rendered_dir: str | Path, out_
            work: Path) -> dict[str, Any] | None:
     s = sess.s
     start, resumed = _prepare_workdir(work, record, sess) if sess.shard.is_main else (0, False)
-    if sess.shard.size > 1:
-        start = sess.shard.broadcast_int(start)  # a barrier too: rank 0 has cleaned or resumed the folder
-        if not sess.shard.is_main:
-            return _follow(sess, work, start)
+    start = sess.shard.broadcast_int(start)  # a barrier too: rank 0 has cleaned or resumed the folder
+    if not sess.shard.is_main:
+        return _follow(sess, work, start)
     progress = Progress(sess.total_steps, start, s.log_every)
     if resumed:
         progress.event({"resumed_from_step": start})
@@ -289,10 +284,8 @@ def _update_best(index: dict[str, Any]) -> None:
 
 
 def _prepare_workdir(work: Path, record: dict[str, Any], sess: Session) -> tuple[int, bool]:
-    """Resume from the last checkpoint of an interrupted run with the same settings; else start clean.
-
-    Returns (the step to continue after, whether it resumed).
-    """
+    """(the step to continue after, whether it resumed): the last checkpoint of an interrupted run with the same
+    settings, else a clean start."""
     settings_path = work / "settings.json"
     if work.exists() and settings_path.exists() and json.loads(settings_path.read_text()) == json.loads(json.dumps(record)):
         index = read_index(work)

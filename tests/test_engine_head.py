@@ -124,7 +124,7 @@ def quantized_heads() -> dict[str, tuple[LMHead, np.ndarray, np.ndarray | None]]
     out = {}
     for name, layer in (("tied", emb), ("lm_head", lin), ("lm_head_bias", lin_b)):
         head = LMHead(layer.weight, layer.scales, layer.biases, layer.group_size, layer.bits,
-                      bias=layer.get("bias"), fused_bias=False)
+                      bias=layer.get("bias"))
         w = mx.dequantize(layer.weight, layer.scales, layer.biases, layer.group_size, layer.bits)
         out[name] = (head, f64(w), None if "bias" not in layer else f64(layer.bias))
     return out

@@ -38,7 +38,6 @@ class LMHead:
     softcap: float | None = None
     mode: str = "affine"
     bias: mx.array | None = None  # output bias [V], for heads that have one
-    fused_bias: bool = True  # nn.Linear adds its bias inside addmm; QuantizedLinear adds it after
     trainable: bool = False
     path: str = "lm_head"
 
@@ -60,10 +59,8 @@ class LMHead:
             out = mx.quantized_matmul(h, self.weight, scales=self.scales, biases=self.biases, transpose=True,
                                       group_size=self.group_size, bits=self.bits, mode=self.mode)
             return out if self.bias is None else out + self.bias
-        if self.bias is not None and self.fused_bias:
-            return mx.addmm(self.bias, h, self.weight.T)
-        out = h @ self.weight.T
-        return out if self.bias is None else out + self.bias
+        # nn.Linear adds its bias inside addmm, QuantizedLinear after its matmul
+        return h @ self.weight.T if self.bias is None else mx.addmm(self.bias, h, self.weight.T)
 
     def back_project(self, dz: mx.array) -> mx.array:
         """dz W: a cotangent on the logits [.., V] to one on the hidden state [.., H]."""
@@ -141,7 +138,7 @@ def lm_head_of(model: nn.Module) -> LMHead:
     if isinstance(module, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
         _trains(module, where, quantized=True)
         return LMHead(module["weight"], module["scales"], module.get("biases"), module.group_size, module.bits,
-                      cap, module.mode, module.get("bias"), fused_bias=False, path=path)
+                      cap, module.mode, module.get("bias"), path=path)
     if isinstance(module, (nn.Linear, nn.Embedding)):
         return LMHead(module["weight"], softcap=cap, bias=module.get("bias"),
                       trainable=_trains(module, where, quantized=False), path=path)

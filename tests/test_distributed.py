@@ -16,7 +16,7 @@ import pytest
 
 from orpo.io import sha256_file
 from orpo.train.checkpoint import read_index
-from orpo.train.distributed import ShardedDropoutKeys, shard_micro_batches
+from orpo.train.distributed import shard_micro_batches
 from orpo.train.keys import DropoutKeys
 from orpo.train.launch import wait_all
 from orpo.train.settings import train_settings
@@ -88,11 +88,11 @@ def test_shard_split_spreads_each_micro_batch_over_the_ranks():
 
 
 def test_dropout_keys_are_per_piece_of_the_global_step():
-    plain, alone = DropoutKeys(7), ShardedDropoutKeys(7, rank=0, size=1)
+    plain, alone = DropoutKeys(7), DropoutKeys(7, rank=0, size=1)
     plain.at(3, 1)
     alone.at(3, 1)
     assert np.array_equal(np.array(plain.key(5)), np.array(alone.key(5)))  # one rank: the single-process keys
-    ranks = [ShardedDropoutKeys(7, rank=r, size=2) for r in range(2)]
+    ranks = [DropoutKeys(7, rank=r, size=2) for r in range(2)]
     for k in ranks:
         k.at(3, 1)
     keys = [np.array(k.key(5)).tolist() for k in ranks]

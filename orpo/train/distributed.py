@@ -37,19 +37,6 @@ def shard_micro_batches(rows: Sequence[int], batch_size: int, rank: int, size: i
     return pieces[rank::size]
 
 
-@dataclass
-class ShardedDropoutKeys(DropoutKeys):
-    """Dropout keys indexed by the piece's place in the global step (micro * size + rank). With dropout > 0, N
-    ranks draw other masks than one process with the N-times batch: equal in distribution, not in value."""
-
-    rank: int = 0
-    size: int = 1
-
-    def at(self, step: int, micro: int = 0) -> None:
-        """Point the keys at optimizer step `step`, this rank's micro-batch `micro`."""
-        super().at(step, micro * self.size + self.rank)
-
-
 @dataclass(frozen=True)
 class Shard:
     """This process's place among the data-parallel ranks (rank 0 of 1 when not distributed)."""
@@ -68,8 +55,8 @@ class Shard:
         return shard_micro_batches(rows, batch_size, self.rank, self.size)
 
     def dropout_keys(self, seed: int) -> DropoutKeys:
-        """Dropout keys for this rank's pieces (plain DropoutKeys when alone)."""
-        return DropoutKeys(seed) if self.size == 1 else ShardedDropoutKeys(seed, rank=self.rank, size=self.size)
+        """Dropout keys for this rank's pieces of each global step."""
+        return DropoutKeys(seed, rank=self.rank, size=self.size)
 
     def reduce(self, grads: Any, metrics: dict[str, mx.array],
                counts: dict[str, int]) -> tuple[Any, dict[str, mx.array], dict[str, int]]:

@@ -24,17 +24,23 @@ def derive_key(*parts: int) -> mx.array:
 
 @dataclass
 class DropoutKeys:
-    """Where training is (step, micro-batch): what every LoRA layer's dropout key is derived from. Each layer
-    holds its key in the model's tree (`_dropout_key`), so a compiled step reads it as an input."""
+    """Where training is (step, piece of the global step): what every LoRA layer's dropout key is derived from.
+
+    Each layer holds its key in the model's tree (`_dropout_key`), so a compiled step reads it as an input. Rank
+    `rank` of `size` keys its micro-batch j as piece j * size + rank: with dropout > 0, N ranks draw other masks
+    than one process with the N-times batch (equal in distribution, not in value).
+    """
 
     seed: int
     step: int = 0
     micro: int = 0
     layers: list[Any] = field(default_factory=list, repr=False, compare=False)
+    rank: int = 0
+    size: int = 1
 
     def at(self, step: int, micro: int = 0) -> None:
-        """Point the keys at optimizer step `step`, micro-batch `micro`."""
-        self.step, self.micro = step, micro
+        """Point the keys at optimizer step `step`, this rank's micro-batch `micro`."""
+        self.step, self.micro = step, micro * self.size + self.rank
         for layer in self.layers:
             layer._dropout_key = self.key(layer.index)
 

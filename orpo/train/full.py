@@ -105,23 +105,15 @@ def start_full(model: nn.Module, settings: TrainSettings, base_dir: Path) -> dic
     return {**apply_full(model, {"freeze": list(settings.full.freeze)}), "base_folder": str(base_dir)}
 
 
-def model_files(base: Path) -> list[Path]:
-    """The base folder's entries a trained model folder keeps (config, tokenizer, template, generation config):
-    all but its weights and the stage records."""
-    return sorted(p for p in base.iterdir() if not p.name.startswith(".") and p.name not in _STAGE_FILES
-                  and not p.name.endswith(_WEIGHT_SUFFIXES))
-
-
 def save_model_folder(model: nn.Module, record: dict[str, Any], folder: Path) -> str:
     """Write `folder` as a model folder mlx-lm loads: every weight in the model's dtype (`model.safetensors`, sorted,
-    so equal weights give equal bytes), the base's other files, and the run's record; returns the weights' sha256."""
+    so equal weights give equal bytes), the base's files but its weights and the stage records (config, tokenizer,
+    template, generation config), and the run's record; returns the weights' sha256."""
     weights = dict(sorted(tree_flatten(model.parameters())))
     mx.save_safetensors(str(folder / WEIGHTS), weights, metadata={"format": "mlx"})
-    for src in model_files(Path(record["base_folder"])):
-        if src.is_dir():
-            shutil.copytree(src, folder / src.name)
-        else:
-            shutil.copyfile(src, folder / src.name)
+    for src in sorted(Path(record["base_folder"]).iterdir()):
+        if not (src.name.startswith(".") or src.name in _STAGE_FILES or src.name.endswith(_WEIGHT_SUFFIXES)):
+            (shutil.copytree if src.is_dir() else shutil.copyfile)(src, folder / src.name)
     (folder / RECORD).write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
     return sha256_file(folder / WEIGHTS)
 
@@ -139,11 +131,8 @@ def publish_model(checkpoint: Path, out: Path) -> None:
     for src in checkpoint.iterdir():
         if src.name in _CHECKPOINT_ONLY:
             continue
-        if src.is_dir():
-            shutil.copytree(src, out / src.name)
-            continue
         try:
-            os.link(src, out / src.name)
+            (shutil.copytree if src.is_dir() else os.link)(src, out / src.name)
         except OSError:
             shutil.copy2(src, out / src.name)
 

@@ -209,12 +209,6 @@ class ResolvedRun:
                 f"{e.width_multiple}, prefix_sharing {e.prefix_sharing}, tight_rows {self.tight_rows}); this machine "
                 f"is {here.describe()}: a bit-exact replay needs the same backend ({self.machine.backend})")
 
-    def differences(self, here: Machine | None = None) -> list[str]:
-        """What differs from this machine short of the backend (the device's name, MLX's version)."""
-        here = here or Machine.here()
-        return [f"{k} {getattr(self.machine, k)!r} recorded, {getattr(here, k)!r} here"
-                for k in ("device", "mlx") if getattr(self.machine, k) != getattr(here, k)]
-
 
 def recorded_run(run_dir: str | Path) -> tuple[TrainSettings, ResolvedRun | None, dict[str, Any]]:
     """A run folder's settings.json: its settings as configured, as the run resolved them (None in a record
@@ -230,6 +224,8 @@ def recorded_run(run_dir: str | Path) -> tuple[TrainSettings, ResolvedRun | None
     why = resolved.reproducible_here(here)
     if why:
         raise ValueError(f"cannot replay {run_dir} on this machine: {why}")
-    for difference in resolved.differences(here):
-        print(f"orpo replay: warning: {run_dir}: {difference}; the replay may not be bit-exact", file=sys.stderr)
+    for k in ("device", "mlx"):  # short of the backend: the device's name, MLX's version
+        if getattr(resolved.machine, k) != getattr(here, k):
+            print(f"orpo replay: warning: {run_dir}: {k} {getattr(resolved.machine, k)!r} recorded, "
+                  f"{getattr(here, k)!r} here; the replay may not be bit-exact", file=sys.stderr)
     return settings, resolved, record

@@ -55,8 +55,7 @@ def layout_from(structure: tuple[Hashable, ...], arrays: dict[str, mx.array]) ->
 
 
 def mask_arrays(masks: list[Any]) -> tuple[tuple[Hashable, ...], list[mx.array]]:
-    """(per-mask kind key, arrays) of a list of layer masks ("causal", None, SplitRows: themselves in the key;
-    an array or an ExclusionMask: their arrays)."""
+    """(kind key, arrays) of layer masks: "causal", None and SplitRows are keys, arrays and ExclusionMasks arrays."""
     spec: list[Hashable] = []
     arrays: list[mx.array] = []
     for m in masks:

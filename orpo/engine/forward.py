@@ -56,11 +56,9 @@ def clip_residual(x: mx.array, y: mx.array) -> mx.array:
 class Family:
     """How one family's decoder layer differs from Llama's.
 
-    `qk_norm`: per-head RMS norms of queries and keys, on [B, L, heads, D] ("heads", qwen3) or after the
-    transpose to [B, heads, L, D] ("transposed", gemma3). `softcap`: gemma2's own attention (soft-capped
-    scores, array masks). `sandwich`: norms after the attention and the MLP as well as before (gemma2, gemma3).
-    `residual`: the residual add (gemma3's clips float16). `layer_reads` and `model_reads`: what else the
-    stack reads of a layer and of `model.model` (their sliding windows).
+    `qk_norm`: per-head RMS norms of queries and keys, on [B, L, heads, D] ("heads", qwen3) or on [B, heads, L, D]
+    ("transposed", gemma3). `softcap`: gemma2's own attention. `sandwich`: norms after the attention and the MLP
+    too. `residual`: the residual add. `layer_reads`, `model_reads`: what else the stack reads (sliding windows).
     """
 
     qk_norm: str | None = None
@@ -171,8 +169,8 @@ def softcapped_attention(attn: nn.Module, queries: mx.array, keys: mx.array, val
 
 def attention(family: Family, attn: nn.Module, x: mx.array, mask: Any, positions: mx.array | None,
               ordered: bool = False) -> mx.array:
-    """A layer's self-attention of x [B, L, H] under `mask` (anything `attend` takes), RoPE at `positions`;
-    `ordered` as `attend` takes it."""
+    """A layer's self-attention of x [B, L, H] under `mask` and `ordered` (as `attend` takes them), RoPE at
+    `positions`."""
     b, length, _ = x.shape
     queries = attn.q_proj(x).reshape(b, length, attn.n_heads, -1)
     keys = attn.k_proj(x).reshape(b, length, attn.n_kv_heads, -1)
@@ -207,8 +205,7 @@ def decoder_layer(family: Family, layer: nn.Module, x: mx.array, mask: Any, posi
 def run_layers(family: Family, layers: Sequence[nn.Module], h: mx.array, masks: Sequence[Any],
                positions: mx.array | None, mlps: Sequence[Callable[[mx.array], mx.array]] | None = None,
                ordered: bool = False) -> mx.array:
-    """`layers` in order on h, layer i under masks[i] (and mlps[i], else its own mlp); positions [B, L] or None;
-    `ordered`: each attention differentiated in a fixed order (orpo.engine.attention.ordered_attention)."""
+    """`layers` in order on h, layer i under masks[i] and mlps[i] (else its own mlp); positions [B, L] or None."""
     flat = None if positions is None else positions.reshape(-1)
     for i, layer in enumerate(layers):
         h = decoder_layer(family, layer, h, masks[i], flat, layer.mlp if mlps is None else mlps[i], ordered)

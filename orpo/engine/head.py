@@ -116,8 +116,7 @@ def _trains(module: nn.Module, where: str, quantized: bool) -> bool:
 
 
 def lm_head_of(model: nn.Module) -> LMHead:
-    """The output projection of an mlx-lm model (tied embedding or lm_head) and its final softcap; trainable
-    where the module's weight is (full-parameter training), frozen otherwise."""
+    """The output projection of an mlx-lm model (lm_head or the tied embedding) and its final softcap."""
     name = type(model).__module__.rsplit(".", 1)[-1]
     args = getattr(model, "args", None)
     for field in _LOGIT_SCALING_ARGS:

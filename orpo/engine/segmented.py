@@ -120,8 +120,7 @@ def _segment(stack: Stack, a: int, b: int, what: str, mlp_chunks: int = 1) -> Ca
 
 
 def _compiled_segment(stack: Stack, layout: Layout, a: int, b: int, what: str, mlp_chunks: int = 1) -> Callable:
-    """`_segment` under mx.compile, kept per model and program (the layers' arrays, dropout keys included, its
-    implicit inputs; masks and positions arrays: orpo.engine.compiled)."""
+    """`_segment` under mx.compile, kept per model and program (orpo.engine.compiled)."""
     states = [layer.state for layer in stack.layers[a:b]]
 
     def call(*args: Any) -> Any:
@@ -173,8 +172,7 @@ def segmented_value_and_grad(model: nn.Module, stack: Stack, layout: Layout, hea
     grads: dict[str, mx.array] = {}
 
     def put(names: Sequence[str], arrays: Sequence[mx.array]) -> list[mx.array]:
-        """Add these gradients to this call's (a tied embedding's to its head's) or into the running sums where
-        given; returns what to evaluate."""
+        """Add gradients to this call's (a tied embedding's to its head's) or the running sums; returns them."""
         for k, g in zip(names, arrays):
             grads[k] = _add(grads, k, g) if into is None else _add(into, k, g)
         return [grads[k] for k in names]

@@ -141,8 +141,7 @@ class Stack:
 
     def run(self, h: mx.array, masks: Sequence[Any], start: int, stop: int, positions: mx.array | None = None,
             mlps: Sequence[Callable[[mx.array], mx.array]] | None = None) -> mx.array:
-        """Layers start..stop-1 on hidden states h: masks[i] for layer i, RoPE at `positions` ([B, L]; the
-        layout's, None for plain rows), and mlps[i - start] in place of layer i's own MLP where given."""
+        """Layers start..stop-1 on h: masks[i] for layer i, RoPE at `positions`, mlps[i - start] for its MLP."""
         return run_layers(self.layer_family, self.layers[start:stop], h, masks[start:stop], positions, mlps,
                           self.ordered)
 

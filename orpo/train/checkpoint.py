@@ -34,8 +34,7 @@ def save_checkpoint(
     run_dir: Path, step: int, model: nn.Module, opt: FlatAdamW, adapter_config: dict[str, Any],
     state: dict[str, Any], optimizer: bool = True,
 ) -> str:
-    """Write the checkpoint at `step` atomically (the optimizer state unless `optimizer` is false); returns the
-    sha256 of its weights (adapters.safetensors, or a full run's model.safetensors)."""
+    """Write the checkpoint at `step` atomically (the optimizer state unless not `optimizer`); returns its sha256."""
     with atomic_path(step_dir(run_dir, step)) as tmp:
         tmp.mkdir()
         sha = save_weights(model, adapter_config, tmp)

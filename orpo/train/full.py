@@ -125,8 +125,7 @@ def load_model_weights(model: nn.Module, folder: Path) -> None:
 
 
 def publish_model(checkpoint: Path, out: Path) -> None:
-    """`out`: the final checkpoint as a model folder (its files hard-linked where the filesystem allows, no copy of
-    the weights), without the optimizer's and the loop's files."""
+    """`out`: the final checkpoint as a model folder (hard-linked where possible), without the optimizer's files."""
     out.mkdir()
     for src in checkpoint.iterdir():
         if src.name in _CHECKPOINT_ONLY:

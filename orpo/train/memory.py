@@ -44,8 +44,7 @@ class CachePolicy:
             self._set(int(self.setting * GB), 0)
 
     def start(self) -> None:
-        """Note what is resident before the first step; the run's peak counts from here. With auto, nothing is
-        cached until a step's peak is measured."""
+        """Note what is resident before the first step (the run's peak counts from here); auto caches nothing yet."""
         mx.clear_cache()  # what loading and attaching freed: the step's own buffers are another size
         self.resident = mx.get_active_memory()
         mx.reset_peak_memory()

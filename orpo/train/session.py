@@ -181,8 +181,7 @@ class Session:
         return self._update[1]
 
     def evaluate(self, pairs: Pairs) -> dict[str, float]:
-        """The objective's metrics over a whole split at the current λ (exact means over rows, batched forwards, no
-        dropout)."""
+        """The objective's metrics over a whole split at the current λ (batched forwards, no dropout)."""
         self.model.eval()
         chosen, rejected, nll, counts, ref = [], [], [], [], []
         bs = self.s.batch_size

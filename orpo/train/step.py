@@ -119,8 +119,7 @@ class MicroBatch:
 
 
 def prepare(pairs: Pairs, engine: EngineSettings, tight: bool = True, nll_span: str = "response") -> MicroBatch:
-    """The forward rows of `pairs` for the (resolved) engine settings (host work only); `tight` as `pack` takes it,
-    `nll_span` as train.nll_span."""
+    """The forward rows of `pairs` for the resolved engine settings (host work only; `tight` as `pack` takes it)."""
     e = _resolved(engine)
     n = len(pairs)
     scored = sum(map(sum, pairs.chosen_mask + pairs.rejected_mask))
@@ -208,8 +207,7 @@ def reference_model(model: nn.Module, reference: nn.Module | None = None) -> Ite
 
 def reference_logps(model: nn.Module, batch: MicroBatch, engine: EngineSettings,
                     reference: nn.Module | None = None) -> mx.array:
-    """Mean response log-probs [2n] of a micro-batch's sequences under the reference model (`reference_model`),
-    one forward without gradients through the batch's own rows."""
+    """Mean response log-probs [2n] of a micro-batch under the reference model, one forward without gradients."""
     with reference_model(model, reference) as net:
         if batch.plain is not None:
             logps = response_mean_logps(net, *batch.plain)
@@ -298,8 +296,7 @@ def _segmented(model: nn.Module, packed: PackedPairs, loss: PairLoss, e: EngineS
         return loss_of(packed_token_logps(lm_head_of(model), stack.norm(h), packed, e))
 
     def head_value_and_grad(h: mx.array, top: Params) -> tuple[tuple[mx.array, dict[str, mx.array]], mx.array, list]:
-        """The fused head's value and cotangents on h (and the parameters outside the layers), its [chunk, V]
-        blocks evaluated one chunk at a time."""
+        """The fused head's value and cotangents on h and the parameters outside the layers, chunk by chunk."""
 
         def rows(h: mx.array, *arrays: mx.array) -> mx.array:
             with top.replaced(arrays):

@@ -172,14 +172,11 @@ def warm_start(model: nn.Module, adapter_config: dict[str, Any], path: str | Pat
     if not problems:
         weights = mx.load(str(folder / "adapters.safetensors"))
         expected = adapter_weights(model)
-        for name in sorted(set(expected) - set(weights)):
-            problems.append(f"{name} missing from the adapter")
-        for name in sorted(set(weights) - set(expected)):
-            problems.append(f"{name} is not a LoRA weight of this model")
-        for name in sorted(set(weights) & set(expected)):
-            if weights[name].shape != expected[name].shape:
-                problems.append(f"{name} has shape {tuple(weights[name].shape)}, this model needs "
-                                f"{tuple(expected[name].shape)} (another base model?)")
+        problems += [f"{name} missing from the adapter" for name in sorted(set(expected) - set(weights))]
+        problems += [f"{name} is not a LoRA weight of this model" for name in sorted(set(weights) - set(expected))]
+        problems += [f"{name} has shape {tuple(weights[name].shape)}, this model needs {tuple(expected[name].shape)} "
+                     "(another base model?)" for name in sorted(set(weights) & set(expected))
+                     if weights[name].shape != expected[name].shape]
     if problems:
         raise AdapterMismatch(f"init_adapter {folder} does not match this run's LoRA: " + "; ".join(problems[:6]))
     # Train in this run's dtype (float32) whatever the adapter was saved in.

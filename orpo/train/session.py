@@ -31,7 +31,7 @@ from orpo.train.full import full_adamw, is_full, start_full
 from orpo.train.keys import DropoutKeys
 from orpo.train.lambdas import ConstantLambda, LambdaController, lambda_schedule
 from orpo.train.launch import resolve_backend
-from orpo.train.lora import adapter_folder, apply_lora, warm_start
+from orpo.train.lora import apply_lora, warm_start
 from orpo.train.objectives import Objective, PairLoss, pair_objective
 from orpo.train.settings import EngineSettings, Machine, ResolvedRun, TrainSettings
 from orpo.train.step import (MicroBatch, batch_value_and_grad, check_attention, pair_scores, prepare,
@@ -241,7 +241,7 @@ def build_session(base_dir: str | Path, rendered_dir: str | Path, settings: Trai
         adapter_config = apply_lora(model, s.lora, s.seed, keys)
     init = None
     if s.init_adapter:
-        folder = warm_start(model, adapter_config, adapter_folder(s.init_adapter))
+        folder = warm_start(model, adapter_config, s.init_adapter)
         init = {"path": str(folder), "sha256": sha256_file(folder / "adapters.safetensors")}
     # Replay reads the settings back from here too, so the adapter records what produced it.
     adapter_config["orpo_train"] = as_dict(s)

@@ -15,6 +15,7 @@ from mlx.utils import tree_flatten
 from orpo.device import on_cuda
 from orpo.engine.head import chunk_for
 from orpo.optim import master_extra_bytes
+from orpo.train.data import pair_lengths, pair_tokens
 from orpo.train.memory import device_memory
 from orpo.settings import as_dict
 
@@ -76,11 +77,8 @@ def activation_bytes(args: Any, dtype: Any, rows: int, width: int, scored: int, 
 
 
 def predict_memory(sess: Any) -> dict[str, Any]:
-    """The session's predicted peak, in GB: weights + gradients + master weights + moments + activations (estimate).
-
-    The rows of a micro-batch are taken at their widest: batch_size of the data's longest pairs, one row per pair
-    with prefix sharing ([prompt; chosen; rejected]), two without.
-    """
+    """The session's predicted peak, in GB: weights + gradients + master weights + moments + activations (estimate),
+    a micro-batch taken at its widest (batch_size of the data's longest pairs, one row each with prefix sharing)."""
     s, engine, pairs = sess.s, as_dict(sess.engine), sess.train
     # Accumulating, the running sums beside a micro-batch's gradients (a segment's where the segmented backward
     # adds them in as it goes); data parallel, the all-reduced copy.
@@ -90,13 +88,9 @@ def predict_memory(sess: Any) -> dict[str, Any]:
         beside = min(1.0, engine["segment_layers"] / layers) if engine["segment_layers"] else 1.0
     copies = 1 + beside + (sess.shard.size > 1)
     parts = parameter_bytes(sess.model, sess.opt.master_dtype, copies)
-    lengths = list(zip(map(len, pairs.prompt), map(len, pairs.chosen), map(len, pairs.rejected)))
     b = s.batch_size
-    if engine["prefix_sharing"]:
-        rows, width = b, max(p + c + r for p, c, r in lengths)
-    else:
-        rows, width = 2 * b, max(p + max(c, r) for p, c, r in lengths)
-    scored = b * max(c + r for _, c, r in lengths)
+    rows, width = (b, max(pair_tokens(pairs))) if engine["prefix_sharing"] else (2 * b, max(pair_lengths(pairs)))
+    scored = b * max(len(c) + len(r) for c, r in zip(pairs.chosen, pairs.rejected))
     norm = getattr(getattr(sess.model, "model", None), "norm", None)  # a float array even in a quantized model
     dtype = norm.weight.dtype if norm is not None and "weight" in norm else mx.float32
     head_trains = any(k.startswith(("lm_head.", "model.embed_tokens.")) for k, _ in

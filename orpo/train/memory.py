@@ -25,7 +25,7 @@ HEADROOM = 0.85
 
 def device_memory() -> int:
     """Bytes of the device's memory (the machine's RAM where MLX does not report it, as on the CPU)."""
-    info = mx.device_info() if hasattr(mx, "device_info") else {}
+    info = mx.device_info()
     return int(info.get("memory_size") or os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
 
 

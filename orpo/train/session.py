@@ -59,8 +59,8 @@ class StepResult:
     step: int
     metrics: dict[str, mx.array]
     counts: dict[str, int]
-    lam: float | None = None
-    lambdas: ConstantLambda | LambdaController | None = None
+    lam: float
+    lambdas: ConstantLambda | LambdaController
 
     def read(self) -> dict[str, float]:
         """Wait for the step and return its metrics as floats; a non-finite loss or gradient raises TrainingError."""
@@ -69,9 +69,8 @@ class StepResult:
         finite = out.pop("finite")
         if not finite:
             raise TrainingError(f"non-finite loss or gradient at step {self.step}: {out}")
-        if self.lambdas is not None:
-            self.lambdas.observe(out["nll"])  # the next step's λ: read before it runs
-        return {**out, **self.counts, **({} if self.lam is None else {"lambda": self.lam})}
+        self.lambdas.observe(out["nll"])  # the next step's λ: read before it runs
+        return {**out, **self.counts, "lambda": self.lam}
 
 
 @dataclass

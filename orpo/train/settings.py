@@ -158,7 +158,7 @@ class Machine:
 
         gpu = mx.default_device().type == mx.gpu
         backend = "cuda" if on_cuda() else "metal" if gpu and mx.metal.is_available() else "cpu"
-        info = mx.device_info() if hasattr(mx, "device_info") else {}
+        info = mx.device_info()
         return cls(backend, str(info.get("device_name", "")), importlib.metadata.version("mlx"))
 
     def describe(self) -> str:

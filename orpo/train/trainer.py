@@ -42,11 +42,6 @@ def _checkpoint_steps(s: TrainSettings, total: int, per_epoch: int) -> list[int]
     return sorted(steps | {total})
 
 
-# Said once when the run has no validation pairs: what it then lacks.
-NO_VALIDATION = ("no validation pairs (curate.validation_fraction 0: every pair trains): no validation, no "
-                 "divergence check on it, no best_margin/best_loss checkpoints; replay and generate take final or a "
-                 "step number")
-
 
 def train(base_dir: str | Path, rendered_dir: str | Path, out_dir: str | Path,
           settings: TrainSettings, dtype: str = "auto") -> dict[str, Any] | None:
@@ -140,8 +135,10 @@ def _train(sess: Session, record: dict[str, Any], rendered_dir: str | Path, out_
     val = load_pairs(Path(rendered_dir) / "validation.parquet")
     index = read_index(work)
     if not len(val):
-        print(f"orpo train: note: {NO_VALIDATION}", file=sys.stderr)
-    if start == 0 and len(val):
+        print("orpo train: note: no validation pairs (curate.validation_fraction 0: every pair trains): no "
+              "validation, no divergence check on it, no best_margin/best_loss checkpoints; replay and generate "
+              "take final or a step number", file=sys.stderr)
+    elif start == 0:
         index["baseline"] = sess.evaluate(val)
         progress.event({"step": 0, "validation": index["baseline"]})
 

@@ -57,11 +57,9 @@ def exclusion_mask(flagged: mx.array, excluded: mx.array, dtype: mx.Dtype) -> Ex
 class SplitRows:
     """Prefix-sharing rows [prompt; chosen; pad | rejected; pad] attended as two causal attentions, exactly.
 
-    Every row's rejected block starts at `rejected_start`: [prompt; chosen] attends to itself, rejected's queries
-    to [prompt; rejected]'s keys (causal from the bottom right), once per run of rows sharing a prompt length
-    (`groups`: first row, end row, prompt length); `align` as split_attention takes it. Hashable and array-free:
-    part of a compiled step's key. No mask, no wider head dim, and the (rejected query, chosen key) area is never
-    computed: faster than the ExclusionMask and than two forwards (bench/README.md).
+    Every row's rejected block starts at `rejected_start`; rejected attends once per run of rows sharing a prompt
+    length (`groups`: first row, end row, prompt length); `align` as split_attention takes it. Hashable and
+    array-free: part of a compiled step's key (docs/architecture.md, `split`).
     """
 
     rejected_start: int

@@ -1,9 +1,7 @@
 """The engine's step under `mx.compile`: compiled functions kept per model and program, traced per shape.
 
-Compiled, MLX fuses a step's elementwise kernels (markedly faster on CUDA: bench/README.md). Every array a
-trace reads must be an input, or a reused trace would replay stale values: the model's arrays through
-`inputs=<module>.state`, the layout's and the masks' as arguments; the Python-side structure (settings,
-which layout fields are set, SplitRows, each layer's kind of mask) is the key a compiled function is kept by.
+Every array a trace reads is an input (a reused trace would replay stale values); the Python-side structure
+is the key a compiled function is kept by (docs/architecture.md, `compile`).
 """
 
 from __future__ import annotations

@@ -163,11 +163,8 @@ def _grad_block(cap: float | None, float32: bool = False) -> Callable:
 
     def block(x: mx.array, lse: mx.array, targets: mx.array, g: mx.array, g_lse: mx.array) -> mx.array:
         xf = x.astype(mx.float32)
-        if cap is None:
-            z = xf
-        else:
-            th = mx.tanh(xf / cap)
-            z = th * cap
+        th = None if cap is None else mx.tanh(xf / cap)
+        z = xf if th is None else th * cap
         p = mx.exp(z - lse[:, None])
         onehot = mx.arange(x.shape[-1])[None, :] == targets[:, None]
         # d logp/dz = onehot - p and d lse/dz = p, so the sum is g*onehot - p*(g - g_lse)

@@ -1,9 +1,6 @@
-"""Segmented backward: the layer stack in segments, only the boundaries kept, each segment recomputed in reverse.
-
-Peak memory: one segment's activations plus the boundaries. Trainable weights outside the layers get their
-gradients at the two ends (the head's differentiation; the embedding's lookup, last). A recompute must draw
-the forward's dropout masks again, so they come from keys that stay put during the call (orpo.train.keys).
-Given running sums (`into`), each segment's gradients are added in as evaluated: one copy of the gradients.
+"""Segmented backward: the layer stack in segments, only the boundaries kept, each segment recomputed in reverse
+(docs/architecture.md). Given running sums (`into`), each segment's gradients are added in as evaluated: one
+copy of the gradients.
 """
 
 from __future__ import annotations
@@ -84,7 +81,7 @@ def _head_value_and_grad(head_loss: HeadLoss) -> HeadValueAndGrad:
     """The head by autodiff: value and gradients with respect to h and the parameters outside the layers."""
 
     def value_and_grad(h: mx.array, top: Params) -> tuple[tuple[mx.array, dict[str, mx.array]], mx.array, list[mx.array]]:
-        if not top.names:
+        if not top.names:  # a single argnum's gradient comes back bare, not in a tuple
             out, cot = mx.value_and_grad(head_loss)(h)
             return out, cot, []
 
@@ -135,9 +132,7 @@ def _compiled_segment(stack: Stack, layout: Layout, a: int, b: int, what: str, m
                 *lead_t, mask_t, positions_t = xs
                 return inner(*lead_t, [None] * a + masks_from(spec, mask_t), positions_t[0] if positions_t else None)
 
-            if what == "forward":
-                return mx.compile(traced, inputs=states)
-            return mx.compile(traced, inputs=states, outputs=states)
+            return mx.compile(traced, inputs=states, outputs=None if what == "forward" else states)
 
         return kept(stack.model, key, build)(*lead, arrays, [] if positions is None else [positions])
 
@@ -197,18 +192,11 @@ def segmented_value_and_grad(model: nn.Module, stack: Stack, layout: Layout, hea
         names = [f"{prefix}.{k}" for prefix, items in per_layer[a:b] for k, _ in items]
         queue.push(cot, put(names, param_grads))
     queue.drain()
-    if bottom.names:
-        embed_grads = _embedding_grads(stack, layout, bottom, cot)
-        mx.eval(put(list(embed_grads), list(embed_grads.values())))
+    if bottom.names:  # the embedding's gradients from the lowest boundary's cotangent, added to a tied head's
+
+        def embed(*arrays: mx.array) -> list[mx.array]:
+            with bottom.replaced(arrays):
+                return [stack.embed(layout.tokens)]
+
+        mx.eval(put(bottom.names, mx.vjp(embed, bottom.arrays, [cot])[1]))
     return (loss, metrics), tree_map_with_path(lambda path, _: grads[path], model.trainable_parameters())
-
-
-def _embedding_grads(stack: Stack, layout: Layout, bottom: Params, cot: mx.array) -> dict[str, mx.array]:
-    """The embedding's gradients from the lowest boundary's cotangent (a tied head's are added by the caller)."""
-
-    def embed(*arrays: mx.array) -> list[mx.array]:
-        with bottom.replaced(arrays):
-            return [stack.embed(layout.tokens)]
-
-    _, embed_grads = mx.vjp(embed, bottom.arrays, [cot])
-    return dict(zip(bottom.names, embed_grads))

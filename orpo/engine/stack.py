@@ -61,11 +61,8 @@ _SUBSTITUTING = threading.RLock()
 
 @contextmanager
 def trainables_replaced(modules: Sequence[nn.Module], arrays: Sequence[mx.array]) -> Iterator[None]:
-    """While inside, the modules' trainable arrays are `arrays` (tree_flatten order, module by module); restored after.
-
-    For tracing a function of the parameters (mx.vjp): the modules compute with the traced arrays and hold their
-    own again afterwards; serialised across threads.
-    """
+    """While inside, the modules' trainable arrays are `arrays` (tree_flatten order, module by module), for tracing a
+    function of the parameters (mx.vjp); restored after."""
     with _SUBSTITUTING:
         saved = [tree_flatten(m.trainable_parameters()) for m in modules]
         it = iter(arrays)

@@ -1,7 +1,6 @@
 """Token-tiled MLP backward: a layer's MLP differentiated in token chunks, its activations never held whole.
 
-The MLP acts per token, so its vjp is its chunks' vjps, summed (parameters) and concatenated (inputs); each
-chunk waits for the previous one, so the [tokens, intermediate] activations exist a chunk at a time. A dropout
+The MLP acts per token, so its vjp is its chunks' vjps, summed (parameters) and concatenated (inputs). A dropout
 drawn over the input's shape would differ per chunk: the caller refuses it.
 """
 
@@ -18,7 +17,7 @@ from orpo.engine.stack import trainables_replaced
 
 
 def tiled_mlp(mlp: nn.Module, chunks: int) -> Callable[[mx.array], mx.array]:
-    """x -> mlp(x), differentiated in `chunks` token chunks (see the module doc): run in place of the layer's MLP."""
+    """x -> mlp(x), differentiated in `chunks` token chunks, each after the previous: the layer's MLP's stand-in."""
 
     def run(x: mx.array, params: tuple[mx.array, ...]) -> mx.array:
         with trainables_replaced([mlp], params):

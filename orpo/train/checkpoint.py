@@ -62,17 +62,13 @@ def load_checkpoint(run_dir: Path, step: int, model: nn.Module, opt: FlatAdamW) 
 def read_index(run_dir: Path) -> dict[str, Any]:
     """index.json: {'checkpoints': {step: {sha256, validation}}, best steps, final step}."""
     path = run_dir / "index.json"
-    if path.exists():
-        return json.loads(path.read_text())
-    return {"checkpoints": {}}
+    return json.loads(path.read_text()) if path.exists() else {"checkpoints": {}}
 
 
 def kept_steps(run_dir: Path) -> list[int]:
     """Steps whose checkpoint folder is on disk, ascending."""
-    root = run_dir / "checkpoints"
-    if not root.exists():
-        return []
-    return sorted(int(p.name.split("-")[1]) for p in root.glob("step-*") if (p / "state.json").exists())
+    return sorted(int(p.name.split("-")[1]) for p in (run_dir / "checkpoints").glob("step-*")
+                  if (p / "state.json").exists())
 
 
 def prune_checkpoints(run_dir: Path, index: dict[str, Any], keep_last: int) -> list[int]:

@@ -43,9 +43,8 @@ def frozen_modules(model: nn.Module, freeze: list[str]) -> list[str]:
     for entry in freeze:
         hits = [p for p in paths if p == entry or p.endswith("." + entry)]
         if not hits:
-            tied = "lm_head" not in model
-            hint = " (the head is the tied model.embed_tokens: freeze embed_tokens to freeze it)" if \
-                entry == "lm_head" and tied else ""
+            hint = (" (the head is the tied model.embed_tokens: freeze embed_tokens to freeze it)"
+                    if entry == "lm_head" and "lm_head" not in model else "")
             raise ValueError(f"train.full.freeze: {entry!r} names no module of this model{hint}; "
                              f"top-level modules: {sorted({p.split('.layers.')[0] for p in paths if p.count('.') < 2})}")
         found.extend(h for h in hits if h not in found)

@@ -114,17 +114,6 @@ def wait_all(procs: list[subprocess.Popen], grace_s: float = 10.0) -> int:
                 p.wait()
 
 
-def launch_local(argv: list[str], n: int, backend: str) -> int:
-    """Run `orpo <argv>` as n ranks on this host; returns 0 or the first failing rank's exit code."""
-    cmd = [sys.executable, "-m", "orpo.cli", *argv]
-    with tempfile.TemporaryDirectory(prefix="orpo-ranks-") as tmp:
-        envs = rank_envs(n, backend, Path(tmp))
-        sys.stdout.flush()
-        sys.stderr.flush()
-        procs = [spawn(cmd, env) for env in envs]
-        return wait_all(procs)
-
-
 def launch_hosts(argv: list[str], dist: DistributedSettings, backend: str, output: Path) -> int:
     """Run `orpo <argv>` through mlx.launch (a hostfile, or MPI/JACCL); success = `output` written after the start."""
     n = dist.processes
@@ -158,4 +147,9 @@ def launch(argv: list[str], dist: DistributedSettings, output: Path) -> int:
     backend = resolve_backend(dist.backend)
     if dist.hostfile or backend in ("mpi", "jaccl"):
         return launch_hosts(argv, dist, backend, output)
-    return launch_local(argv, dist.processes, backend)
+    cmd = [sys.executable, "-m", "orpo.cli", *argv]
+    with tempfile.TemporaryDirectory(prefix="orpo-ranks-") as tmp:  # ranks on this host
+        envs = rank_envs(dist.processes, backend, Path(tmp))
+        sys.stdout.flush()
+        sys.stderr.flush()
+        return wait_all([spawn(cmd, env) for env in envs])

@@ -51,11 +51,8 @@ class LoRALinear(nn.Module):
             return y
         if self.training and self.p > 0:
             x = keyed_dropout(x, self.p, self._dropout_key)
-        # Float32 master weights, computed in the activation dtype (as mixed-precision autocast does): a
-        # float32 LoRA path on a bf16 model would upcast x and z for every projection and keep those copies
-        # for the backward: most of the activation memory and much of the step time (bench/README.md).
-        # y + scale * (x A) B as one matmul with y as its addend: no [tokens, out] copies of (x A) B and of
-        # its scaled form, in the forward or the backward (CPU, one MLP's backward: 2 of ~15 such tensors).
+        # In the activation dtype: a float32 path on a bf16 model would keep float32 copies of x for the backward
+        # (bench/README.md); y as addmm's addend: no [tokens, out] copies of (x A) B and of its scaled form.
         dt = x.dtype
         return mx.addmm(y, x @ self.lora_a.astype(dt), self.lora_b.astype(dt), alpha=self.scale)
 

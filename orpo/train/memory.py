@@ -51,9 +51,6 @@ class CachePolicy:
         if self.setting == "auto":
             self._set(0, 0)
 
-    def _ceiling(self) -> float:
-        return min(HEADROOM * device_memory(), mx.get_memory_limit())
-
     def update(self, step: int) -> None:
         """After a step: with auto, a new peak raises (or, near the ceiling, lowers) the cache limit."""
         if self.setting != "auto":
@@ -62,7 +59,8 @@ class CachePolicy:
         if peak <= self.peak_seen:
             return
         self.peak_seen = peak
-        self._set(int(max(0, min(self._ceiling() - peak, 2 * (peak - self.resident)))), step)
+        ceiling = min(HEADROOM * device_memory(), mx.get_memory_limit())
+        self._set(int(max(0, min(ceiling - peak, 2 * (peak - self.resident)))), step)
 
     def _set(self, limit: int, step: int) -> None:
         if limit != self.limit:
@@ -73,7 +71,8 @@ class CachePolicy:
     def record(self) -> dict[str, Any]:
         """What the run's index.json keeps: the setting, the limit it ended at and when it changed."""
         return {"cache_limit": self.setting, "cache_limit_gb": round((self.limit or 0) / GB, 6),
-                "memory_limit_gb": round(mx.get_memory_limit() / GB, 3), "device_gb": round(device_memory() / GB, 3), "peak_gb": round(mx.get_peak_memory() / GB, 6),
+                "memory_limit_gb": round(mx.get_memory_limit() / GB, 3), "device_gb": round(device_memory() / GB, 3),
+                "peak_gb": round(mx.get_peak_memory() / GB, 6),
                 "resident_gb": round(self.resident / GB, 6), "cache_limit_changes": self.changes[-20:]}
 
 

@@ -82,17 +82,6 @@ def orpo_terms(logp_chosen: mx.array, logp_rejected: mx.array) -> tuple[mx.array
     return -logp_chosen, or_loss, log_odds
 
 
-def simpo_term(logp_chosen: mx.array, logp_rejected: mx.array, beta: float, gamma: float) -> mx.array:
-    """Per row: -log σ(β (l_w - l_r) - γ) on mean (length-normalised) log-probs."""
-    return -nn.log_sigmoid(beta * (logp_chosen - logp_rejected) - gamma)
-
-
-def dpo_term(sum_chosen: mx.array, sum_rejected: mx.array, ref_chosen: mx.array, ref_rejected: mx.array,
-             beta: float) -> mx.array:
-    """Per row: -log σ(β ((s_w - s_w_ref) - (s_r - s_r_ref))) on summed log-probs."""
-    return -nn.log_sigmoid(beta * ((sum_chosen - ref_chosen) - (sum_rejected - ref_rejected)))
-
-
 # --- the loss ---
 
 
@@ -130,11 +119,11 @@ def pair_objective(loss: PairLoss | float, logps: mx.array, counts: mx.array,
     if o.name == "dpo":
         if loss.ref is None:
             raise ValueError("train.objective dpo: the step has no reference log-probs")
-        ref = mx.stop_gradient(loss.ref) * counts
-        pref = dpo_term(lw * counts[:n], lr * counts[n:], ref[:n], ref[n:], o.dpo_beta)
+        ref = mx.stop_gradient(loss.ref) * counts  # summed log-probs: mean times scored tokens
+        pref = -nn.log_sigmoid(o.dpo_beta * ((lw * counts[:n] - ref[:n]) - (lr * counts[n:] - ref[n:])))
         total = pref
     else:
-        pref = simpo_term(lw, lr, o.beta, o.gamma)
+        pref = -nn.log_sigmoid(o.beta * (lw - lr) - o.gamma)
         total = {"simpo": pref, "orpo_margin": nll + loss.lam * pref, "sft_simpo": nll + pref}[o.name]
     value = total.mean()
     # one array where the loss is the term: mx.compile fails on two equal outputs it merges

@@ -45,13 +45,6 @@ class PackedPairs:
         return (tuple(self.layout.tokens.shape), int(self.targets.shape[0]), self.layout.split)
 
 
-def _sequences(pairs: Pairs, i: int) -> tuple[list[int], list[int], list[int], list[int]]:
-    """Pair i as two full sequences and their scoring masks."""
-    p = pairs.prompt[i]
-    zeros = [0] * len(p)
-    return p + pairs.chosen[i], zeros + pairs.chosen_mask[i], p + pairs.rejected[i], zeros + pairs.rejected_mask[i]
-
-
 def _scored(mask: list[int]) -> list[int]:
     # Token 0 has no predecessor: the naive head never scores it either.
     return [t for t in range(1, len(mask)) if mask[t]]
@@ -137,8 +130,9 @@ def shared_rows(pairs: Pairs, input_multiple: int | None = None, attention: str 
     heads, tails, shared = [], [], []
     scored, targets = ([], []), ([], [])  # (chosen, rejected), per pair
     fallbacks = 0
-    for i in range(len(pairs)):
-        full_c, mc, full_r, mr = _sequences(pairs, i)
+    for i, prompt in enumerate(pairs.prompt):
+        full_c, full_r = prompt + pairs.chosen[i], prompt + pairs.rejected[i]
+        mc, mr = [0] * len(prompt) + pairs.chosen_mask[i], [0] * len(prompt) + pairs.rejected_mask[i]
         p = shared_prompt_length(full_c, mc, full_r, mr)
         if p is None:
             fallbacks, p = fallbacks + 1, 0

@@ -34,12 +34,8 @@ def exclusion_fits(head_dim: int, cuda: bool) -> bool:
 
 @dataclass(frozen=True, eq=False)
 class ExclusionMask:
-    """Causal attention in which flagged queries cannot see penalised keys, run as one causal sdpa.
-
-    Extra head dims `queries` [B, 1, L, EXCLUSION_DIMS] (S for a flagged query, else 0) and `keys` (-S for a
-    penalised key) send exactly the (flagged query, penalised key) scores to -inf in effect, under mask="causal":
-    no [B, 1, L, L] bias is built. Costs the wider head dim (bench/README.md).
-    """
+    """Causal attention in which flagged queries cannot see penalised keys, run as one causal sdpa: extra head dims
+    `queries` [B, 1, L, EXCLUSION_DIMS] (S for a flagged query, else 0) and `keys` (-S for a penalised key)."""
 
     queries: mx.array
     keys: mx.array
@@ -158,7 +154,6 @@ def ordered_attention(q: mx.array, k: mx.array, v: mx.array, scale: float, mask:
     """mx.fast's attention (same forward, same arguments) differentiated by `ordered_backward`: the same steps
     give the same gradients bit for bit on every run, where cuDNN's backward sums dQ in arrival order."""
     sdpa = mx.fast.scaled_dot_product_attention
-    array_mask = mask is not None and not isinstance(mask, str)
 
     @mx.custom_function
     def fn(q: mx.array, k: mx.array, v: mx.array, *m: mx.array) -> mx.array:
@@ -170,7 +165,7 @@ def ordered_attention(q: mx.array, k: mx.array, v: mx.array, scale: float, mask:
         grads = ordered_backward(q, k, v, scale, m[0] if m else mask, cotangent, output)
         return (*grads, *(mx.zeros_like(x) for x in m))
 
-    return fn(q, k, v, mask) if array_mask else fn(q, k, v)
+    return fn(q, k, v) if mask is None or isinstance(mask, str) else fn(q, k, v, mask)
 
 
 def attend(queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: Any,

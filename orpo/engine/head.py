@@ -268,11 +268,8 @@ def _fused(head: LMHead, chunk: int) -> Callable:
 
 def fused_logp_eager(head: LMHead, h: mx.array, targets: mx.array, chunk: int,
                      overlap: int = 0) -> tuple[mx.array, Callable[[mx.array], HeadGrads]]:
-    """(logp [M], grad_fn): the fused head evaluated chunk by chunk, outside autodiff (the segmented backward).
-
-    Each chunk is evaluated before the next is built, so one [chunk, V] block is alive at a time, not the
-    backend's run-ahead window (a lower step peak: bench/README.md); `overlap` chunks may be in flight at once.
-    grad_fn(g) maps a cotangent on logp [M] to HeadGrads, recomputing each block, also chunk by chunk.
+    """(logp [M], grad_fn): the fused head evaluated chunk by chunk, outside autodiff (the segmented backward),
+    `overlap` chunks in flight at once; grad_fn(g) maps a cotangent on logp [M] to HeadGrads, also chunk by chunk.
     """
     chunk = chunk_for(head.vocab_size, chunk)
     logp, lse = _logp_chunks(head, h, targets, chunk, _forward_block(head.softcap), EvalQueue(overlap))

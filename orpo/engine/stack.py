@@ -143,7 +143,6 @@ class Stack:
                           self.ordered)
 
     def norm(self, h: mx.array) -> mx.array:
-        """The final norm."""
         return self.inner.norm(h)
 
     def hidden(self, layout: Layout) -> mx.array:

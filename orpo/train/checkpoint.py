@@ -30,10 +30,8 @@ def save_weights(model: nn.Module, adapter_config: dict[str, Any], folder: Path)
     return sha256_file(folder / "adapters.safetensors")
 
 
-def save_checkpoint(
-    run_dir: Path, step: int, model: nn.Module, opt: FlatAdamW, adapter_config: dict[str, Any],
-    state: dict[str, Any], optimizer: bool = True,
-) -> str:
+def save_checkpoint(run_dir: Path, step: int, model: nn.Module, opt: FlatAdamW, adapter_config: dict[str, Any],
+                    state: dict[str, Any], optimizer: bool = True) -> str:
     """Write the checkpoint at `step` atomically (the optimizer state unless not `optimizer`); returns its sha256."""
     with atomic_path(step_dir(run_dir, step)) as tmp:
         tmp.mkdir()

@@ -50,10 +50,6 @@ class Shard:
         """Rank 0: the one that evaluates, logs and writes."""
         return self.rank == 0
 
-    def micro_batches(self, rows: Sequence[int], batch_size: int) -> list[list[int]]:
-        """This rank's micro-batches of a global step's rows."""
-        return shard_micro_batches(rows, batch_size, self.rank, self.size)
-
     def dropout_keys(self, seed: int) -> DropoutKeys:
         """Dropout keys for this rank's pieces of each global step."""
         return DropoutKeys(seed, rank=self.rank, size=self.size)

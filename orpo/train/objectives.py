@@ -55,7 +55,7 @@ class PairLoss:
 
 
 def pair_loss_of(loss: PairLoss | float) -> PairLoss:
-    """`loss` as a PairLoss: a bare number is ORPO's λ (the step's callers that predate the objectives)."""
+    """`loss` as a PairLoss: a bare number is ORPO's λ."""
     return loss if isinstance(loss, PairLoss) else PairLoss(Objective(), loss)
 
 

@@ -1,9 +1,8 @@
 """Pairs -> the engine's forward rows (a Layout) plus where each scored token's predicting hidden state sits.
 
-`plain_rows`: the trainer's [chosen; rejected] causal rows. `shared_rows`: prefix sharing, one row per pair,
-the prompt computed once (docs/architecture.md). Widths and target counts are rungs of `orpo.batching.ladder`,
-so variable-length data gives few distinct shapes (and compiled traces). With LoRA dropout, a shared row's
-prompt mask serves both responses: the same distribution per token as two forwards, not the same draws.
+`plain_rows`: the trainer's [chosen; rejected] causal rows; `shared_rows`: prefix sharing (docs/architecture.md).
+With LoRA dropout, a shared row's prompt mask serves both responses: the same distribution per token as two
+forwards, not the same draws.
 """
 
 from __future__ import annotations
@@ -119,12 +118,9 @@ def shared_rows(pairs: Pairs, input_multiple: int | None = None, attention: str 
                 tight: bool = True, nll_span: str = "response") -> PackedPairs:
     """Prefix sharing: one row per pair holding its prompt once, chosen, then rejected blind to chosen.
 
-    Aligned rows ([prompt; chosen[:-1]; pad | rejected own; pad], every rejected block at one column) let the
-    split attention run each part at widths of `input_multiple`; tight rows ([prompt; chosen[:-1]; rejected own;
-    pad]) pad only at the end. `attention` "split" takes aligned rows, "exclusion" tight ones, "auto" aligned
-    rows where they are no wider and every pair has one prompt length, else tight rows, or, where not `tight`
-    (the exclusion dims would not run at full speed: orpo.engine.attention.exclusion_fits), the plain rows.
-    A pair whose prompts differ falls back to two independent blocks in its row, and is counted.
+    `attention` "split" takes aligned rows ([prompt; chosen[:-1]; pad | rejected own; pad]), "exclusion" tight
+    ones ([prompt; chosen[:-1]; rejected own; pad]), "auto" chooses (docs/architecture.md), taking the plain rows
+    where tight ones would be chosen but not `tight`. A pair whose prompts differ gets two blocks, and is counted.
     """
     multiple = input_multiple or 16
     heads, tails, shared = [], [], []

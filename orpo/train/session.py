@@ -26,7 +26,7 @@ from orpo.render.template import resolve_model_dir
 from orpo.settings import as_dict
 from orpo.train.accumulate import accumulate_grads
 from orpo.train.data import Pairs, load_pairs, pair_lengths, pair_tokens, scored_counts
-from orpo.train.distributed import BACKEND_ENV, Shard, join
+from orpo.train.distributed import BACKEND_ENV, Shard, join, shard_micro_batches
 from orpo.train.full import full_adamw, is_full, start_full
 from orpo.train.keys import DropoutKeys
 from orpo.train.lambdas import ConstantLambda, LambdaController, lambda_schedule
@@ -124,7 +124,7 @@ class Session:
         """This rank's rows of global step `step` (1-based) in micro-batches of batch_size, cut in order of length:
         the same mean gradient, each micro-batch of similar lengths (little padding)."""
         rows = sorted(self.schedule[step - 1], key=lambda r: (self._lengths[r], r))
-        return self.shard.micro_batches(rows, self.s.batch_size)
+        return shard_micro_batches(rows, self.s.batch_size, self.shard.rank, self.shard.size)
 
     def prepare(self, step: int) -> list[MicroBatch]:
         """Step `step`'s micro-batches as rows (host work only: runs while the device computes the step before)."""

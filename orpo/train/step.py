@@ -1,9 +1,7 @@
-"""One training step, top to bottom: pairs -> rows -> log-probs -> loss -> gradients.
+"""One training step, top to bottom: pairs -> rows -> log-probs -> loss -> gradients (docs/architecture.md).
 
-`prepare` packs a micro-batch's pairs into the engine's rows on the host; `batch_value_and_grad` runs them
-through orpo.engine to the loss (orpo.train.objectives) and the gradients. The train.engine settings compose
-freely and give the same loss and gradients within float tolerance; all off is the plain path (full logits of
-[chosen; rejected] rows under nn.value_and_grad), the oracle the others are tested against.
+All train.engine settings off is the plain path (full logits of [chosen; rejected] rows under
+nn.value_and_grad), the oracle the others are tested against.
 """
 
 from __future__ import annotations
@@ -175,7 +173,7 @@ def naive_logps(model: nn.Module, tokens: mx.array, mask: mx.array, n: int,
 def naive_pair_loss(model: nn.Module, tokens: mx.array, mask: mx.array, n: int, loss: PairLoss | float,
                     nll_mask: mx.array | None = None) -> tuple[mx.array, dict[str, mx.array]]:
     """The loss (`loss`: its objective and λ; a number is ORPO's λ) and metrics of a [chosen; rejected] batch of n
-    pairs, full logits (the trainer's original loss)."""
+    pairs, full logits (the plain path)."""
     counts = mask[:, 1:].astype(mx.float32).sum(axis=-1)
     logps, nll_logp = naive_logps(model, tokens, mask, n, nll_mask)
     return pair_objective(loss, logps, counts, nll_logp)

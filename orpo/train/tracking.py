@@ -92,15 +92,12 @@ class Trackers:
         for b in self.backends:
             b.flush()
 
-    def close(self, failed: bool = False) -> None:
-        for b in self.backends:
-            b.close(failed)
-
     def __enter__(self) -> "Trackers":
         return self
 
     def __exit__(self, kind, value, tb) -> None:
-        self.close(failed=kind is not None)
+        for b in self.backends:
+            b.close(failed=kind is not None)
 
 
 class _Backend:

@@ -42,7 +42,6 @@ def _checkpoint_steps(s: TrainSettings, total: int, per_epoch: int) -> list[int]
     return sorted(steps | {total})
 
 
-
 def train(base_dir: str | Path, rendered_dir: str | Path, out_dir: str | Path,
           settings: TrainSettings, dtype: str = "auto") -> dict[str, Any] | None:
     """Train an adapter (or, with method full, the model) on the base model in `dtype`; write the run folder.
@@ -310,10 +309,8 @@ def _truncate_metrics(path: Path, last: int) -> None:
         tmp.write_text("".join(ln + "\n" for ln in keep))
 
 
-def replay(
-    run_dir: str | Path, base_dir: str | Path, rendered_dir: str | Path, which: str | int = "best_margin",
-    from_: str = "previous",
-) -> dict[str, Any] | None:
+def replay(run_dir: str | Path, base_dir: str | Path, rendered_dir: str | Path, which: str | int = "best_margin",
+           from_: str = "previous") -> dict[str, Any] | None:
     """Re-run training to a checkpoint step and compare the sha256 of its weights with the run's index.
 
     The run's settings.json drives it: its resolved settings (another backend is refused, `recorded_run`) and

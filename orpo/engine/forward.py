@@ -47,11 +47,6 @@ def check_mlx_lm() -> str:
     return version
 
 
-def clip_residual(x: mx.array, y: mx.array) -> mx.array:
-    """gemma3's residual add: mlx-lm's own (a float16 sum clipped to float16's range)."""
-    return gemma3_text.clip_residual(x, y)
-
-
 @dataclass(frozen=True)
 class Family:
     """How one family's decoder layer differs from Llama's.
@@ -89,7 +84,8 @@ FAMILIES: dict[str, Family] = {
     "qwen3": Family(qk_norm="heads"),
     "gemma": Family(),
     "gemma2": Family(softcap=True, sandwich=True),
-    "gemma3_text": Family(qk_norm="transposed", sandwich=True, residual=clip_residual,
+    # gemma3's residual add is mlx-lm's own, looked up per call: check_parts names it where it is missing.
+    "gemma3_text": Family(qk_norm="transposed", sandwich=True, residual=lambda x, y: gemma3_text.clip_residual(x, y),
                           model_reads=("sliding_window_pattern", "window_size")),
 }
 SUPPORTED = tuple(FAMILIES)

@@ -151,8 +151,7 @@ def segmented_value_and_grad(model: nn.Module, stack: Stack, layout: Layout, hea
     chunks of each layer's MLP backward (orpo.engine.tiled).
     """
     n = len(stack.layers)
-    bounds = list(range(0, n, segment_layers)) + [n]
-    segments = list(pairwise(bounds))
+    segments = list(pairwise([*range(0, n, segment_layers), n]))
     per_layer, top, bottom = _layer_params(stack, model)
     # Layers below the lowest trainable one need no backward, unless the embedding trains.
     lowest = 0 if bottom.names else next((i for i, (_, items) in enumerate(per_layer) if items), n)

@@ -99,10 +99,7 @@ def predict_memory(sess: Any) -> dict[str, Any]:
         parts["reference"] = sum(v.nbytes for _, v in tree_flatten(sess.reference.parameters()))
     parts["activations"] = activation_bytes(sess.model.args, dtype, rows, width, scored, engine, head_trains, on_cuda())
     parts["peak"] = sum(parts.values())
-    out: dict[str, Any] = {k: round(v / GB, 6) for k, v in parts.items()}
-    out["bytes"] = parts
-    out["rows"], out["width"] = rows, width
-    return out
+    return {**{k: round(v / GB, 6) for k, v in parts.items()}, "bytes": parts, "rows": rows, "width": width}
 
 
 def over_device(predicted: dict[str, Any]) -> str | None:

@@ -74,12 +74,13 @@ def log1mexp(x: mx.array) -> mx.array:
     return mx.where(near, mx.log(-mx.expm1(x_near)), mx.log1p(-mx.exp(x_far)))
 
 
-def orpo_terms(logp_chosen: mx.array, logp_rejected: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+def orpo_terms(logp_chosen: mx.array, logp_rejected: mx.array,
+               nll_logp: mx.array | None = None) -> tuple[mx.array, mx.array, mx.array]:
     """Per row: (nll, or_loss, log_odds) from mean response log-probs l_w, l_r: log_odds = (l_w - l_r) -
-    (log1mexp(l_w) - log1mexp(l_r)); or_loss = -log sigmoid(log_odds); nll = -l_w."""
+    (log1mexp(l_w) - log1mexp(l_r)); or_loss = -log sigmoid(log_odds); nll = -l_w, or -nll_logp where given."""
     log_odds = (logp_chosen - logp_rejected) - (log1mexp(logp_chosen) - log1mexp(logp_rejected))
     or_loss = -nn.log_sigmoid(log_odds)
-    return -logp_chosen, or_loss, log_odds
+    return -logp_chosen if nll_logp is None else -nll_logp, or_loss, log_odds
 
 
 # --- the loss ---
@@ -92,9 +93,7 @@ def orpo_loss(logp_chosen: mx.array, logp_rejected: mx.array, lam: float | mx.ar
     The NLL is -logp_chosen (the paper's L_SFT: the response's mean log-prob), or -nll_logp where given (the
     chosen sequence's mean log-prob over the span train.nll_span names); the odds ratio always compares responses.
     """
-    nll, or_loss, log_odds = orpo_terms(logp_chosen, logp_rejected)
-    if nll_logp is not None:
-        nll = -nll_logp
+    nll, or_loss, log_odds = orpo_terms(logp_chosen, logp_rejected, nll_logp)
     loss = (nll + lam * or_loss).mean()
     return loss, _metrics(loss, nll, or_loss, log_odds, logp_chosen, logp_rejected)
 
@@ -113,9 +112,7 @@ def pair_objective(loss: PairLoss | float, logps: mx.array, counts: mx.array,
     lw, lr = logps[:n], logps[n:]
     if o.name == "orpo":
         return orpo_loss(lw, lr, loss.lam, nll_logp)
-    nll, or_loss, log_odds = orpo_terms(lw, lr)
-    if nll_logp is not None:
-        nll = -nll_logp
+    nll, or_loss, log_odds = orpo_terms(lw, lr, nll_logp)
     if o.name == "dpo":
         if loss.ref is None:
             raise ValueError("train.objective dpo: the step has no reference log-probs")

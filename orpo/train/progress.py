@@ -35,7 +35,7 @@ class Progress:
                                  refresh=False)
             self.bar.update(1)
         elif m["step"] % self.log_every == 0 or m["step"] == self.total:
-            self._print(self.line(m))
+            print(self.line(m), file=self.stream, flush=True)
 
     def line(self, m: dict[str, Any]) -> str:
         """`step 50/300  loss 1.2340  acc 0.62  margin +0.123  lr 1.00e-03  mem 12 MB  1,234 tok/s  elapsed 0:41
@@ -55,7 +55,7 @@ class Progress:
         if self.bar is not None:
             self.bar.write(text, file=self.stream)
         else:
-            self._print(text)
+            print(text, file=self.stream, flush=True)
 
     def describe(self, record: dict[str, Any]) -> str:
         """A validation as `step 50/300  validation  loss 1.2000  nll ...  checkpoint 3fa9...`, a resume as a
@@ -78,9 +78,6 @@ class Progress:
                 parts.append(f"checkpoint {record['sha256']}")
             return "  ".join(parts)
         return json.dumps(record)
-
-    def _print(self, text: str) -> None:
-        print(text, file=self.stream, flush=True)
 
     def close(self) -> None:
         """Finish the bar (no-op for log lines)."""

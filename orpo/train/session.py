@@ -66,8 +66,7 @@ class StepResult:
         """Wait for the step and return its metrics as floats; a non-finite loss or gradient raises TrainingError."""
         mx.eval(self.metrics)
         out = {k: v.item() for k, v in self.metrics.items()}
-        finite = out.pop("finite")
-        if not finite:
+        if not out.pop("finite"):
             raise TrainingError(f"non-finite loss or gradient at step {self.step}: {out}")
         self.lambdas.observe(out["nll"])  # the next step's λ: read before it runs
         return {**out, **self.counts, "lambda": self.lam}

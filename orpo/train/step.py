@@ -228,23 +228,21 @@ def batch_value_and_grad(model: nn.Module, batch: MicroBatch, loss: PairLoss | f
     grads has model.trainable_parameters()'s tree; given running sums `into`, they are added in and returned.
     `reference`: dpo's reference model where it is not `model` with its adapters off.
     """
-    e = engine
-    n = batch.n
     loss = pair_loss_of(loss)
     if loss.objective.needs_reference and loss.ref is None:
-        loss = dataclasses.replace(loss, ref=reference_logps(model, batch, e, reference))
+        loss = dataclasses.replace(loss, ref=reference_logps(model, batch, engine, reference))
     if batch.plain is not None:
-        (value, metrics), grads = nn.value_and_grad(model, naive_pair_loss)(model, *batch.plain, n, loss,
+        (value, metrics), grads = nn.value_and_grad(model, naive_pair_loss)(model, *batch.plain, batch.n, loss,
                                                                             batch.plain_nll)
         return (value, {**metrics, "prefix_fallbacks": mx.array(0.0)}), grads if into is None else add_into(into, grads)
     packed = batch.packed
-    if e.segment_layers > 0:  # adds into the running sums segment by segment
-        (value, metrics), grads = _segmented(model, packed, loss, e, into)
+    if engine.segment_layers > 0:  # adds into the running sums segment by segment
+        (value, metrics), grads = _segmented(model, packed, loss, engine, into)
     else:
-        if e.compile:
-            (value, metrics), grads = _compiled_whole(model, packed, loss, e)
+        if engine.compile:
+            (value, metrics), grads = _compiled_whole(model, packed, loss, engine)
         else:
-            (value, metrics), grads = nn.value_and_grad(model, lambda: whole_loss(model, packed, loss, e))()
+            (value, metrics), grads = nn.value_and_grad(model, lambda: whole_loss(model, packed, loss, engine))()
         if into is not None:
             grads = add_into(into, grads)
     return (value, {**metrics, "prefix_fallbacks": mx.array(float(packed.fallbacks))}), grads
@@ -261,7 +259,6 @@ def _compiled_whole(model: nn.Module, packed: PackedPairs, loss: PairLoss,
     """nn.value_and_grad of `whole_loss` under mx.compile (the model's arrays are its implicit inputs; λ and the
     reference log-probs are inputs, so a λ that moves each step reuses the trace)."""
     structure, arrays = layout_arrays(packed.layout)
-
     nll = [] if packed.nll_weights is None else [packed.nll_weights]
     ref = [] if loss.ref is None else [loss.ref]
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import mlx.core as mx
 
 
@@ -19,3 +21,9 @@ def on_gpu() -> bool:
 def on_cuda() -> bool:
     """Whether arrays go to a CUDA GPU: the default device is the GPU and the build is a CUDA one."""
     return mx.default_device().type == mx.gpu and cuda_available()
+
+
+def device_memory() -> int:
+    """Bytes of the device's memory (the machine's RAM where MLX does not report it, as on the CPU)."""
+    info = mx.device_info()
+    return int(info.get("memory_size") or os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))

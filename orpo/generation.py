@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import sys
 import time
 from collections.abc import Mapping
@@ -24,6 +23,7 @@ from tokenizers import Tokenizer
 from tqdm import tqdm
 
 from orpo import progress
+from orpo.device import device_memory
 from orpo.precision import Precision, load_model
 from orpo.render.settings import PromptSettings, RenderSettings, prompt_settings, resolve_prompting
 from orpo.render.template import ChatTemplate, encode_generation_prompt, resolve_model_dir, with_leading
@@ -83,8 +83,7 @@ def kv_bytes_per_token(model: nn.Module) -> int:
 
 def memory_beside_weights() -> int:
     """Bytes of the device's memory (the host's on the CPU) not held by live arrays now."""
-    total = mx.device_info().get("memory_size") or os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    return max(0, int(total) - mx.get_active_memory())
+    return max(0, device_memory() - mx.get_active_memory())
 
 
 def chunk_by_memory(order: list[int], lengths: list[int], budgets: list[int], batch_size: int, per_token: int,
@@ -102,7 +101,8 @@ def chunk_by_memory(order: list[int], lengths: list[int], budgets: list[int], ba
     chunk: list[int] = []
     longest = 0
     for i in order:
-        if chunk and (len(chunk) == batch_size or (len(chunk) + 1) * max(longest, positions(i)) * per_token > cache_bytes):
+        full = len(chunk) == batch_size or (len(chunk) + 1) * max(longest, positions(i)) * per_token > cache_bytes
+        if chunk and full:
             chunks.append(chunk)
             chunk, longest = [], 0
         chunk.append(i)

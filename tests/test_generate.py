@@ -201,7 +201,7 @@ def test_prompts_are_batched_by_the_memory_their_cache_takes():
 def test_generation_within_a_small_cache_budget_gives_the_same_responses(tiny_base):
     """A cache budget of three sequences: no batch of the real model holds more than three, and the greedy
     responses equal those of one unconstrained batch."""
-    from orpo.generation import generate_counted, kv_bytes_per_token, load_generator
+    from orpo.generation import generate_counted, load_generator
 
     gen = load_generator(tiny_base)
     prompts = [gen.prompt_ids([{"role": "user", "content": f"Tell me about the cat number {i}."}]) for i in range(10)]
@@ -218,7 +218,7 @@ def test_generation_within_a_small_cache_budget_gives_the_same_responses(tiny_ba
         def __getattr__(self, name):
             return getattr(model, name)
 
-    per_token = kv_bytes_per_token(model)
+    per_token = gen.kv_bytes_per_position  # what generate_counted sizes batches by
     gen.model = Recorded()
     texts, counts, _ = generate_counted(gen, prompts, settings, cache_bytes=3 * positions * per_token)
     decoding = [b for b in batches if b > 1]

@@ -9,7 +9,6 @@ grows; MLX's memory limit stands at that ceiling throughout.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -17,16 +16,12 @@ from typing import Any
 
 import mlx.core as mx
 
+from orpo.device import device_memory
+
 GB = 1e9
 # The share of the device's memory that active plus cached buffers may take: CUDA's stream-ordered pool
 # keeps freed memory reserved, so a cache allowed up to MLX's own limit (95%) leaves allocations failing.
 HEADROOM = 0.85
-
-
-def device_memory() -> int:
-    """Bytes of the device's memory (the machine's RAM where MLX does not report it, as on the CPU)."""
-    info = mx.device_info()
-    return int(info.get("memory_size") or os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
 
 
 @dataclass

@@ -7,7 +7,13 @@ one-prompt-at-a-time stream_generate, so batch 1 is not a straw man. Runs unchan
 (mlx[cpu], OpenBLAS preloaded when found) and on NVIDIA GPUs (mlx[cuda]).
 Target, on the GPU: batch 32 >= 5x the tokens/s of batch 1.
 
+`--geometry NAME` instead times one batch of random-token prompts through a random-init model of a real
+geometry (bench/engine_shapes.py): the engine's decode that `orpo generate` runs against mlx-lm's batch
+generation (its BatchGenerator, left-padded caches under an array mask), each at two lengths of the answer, so
+a decode step's time is their difference over the extra steps.
+
     .venv/bin/python bench/generation.py [--model results/base/model] [--prompts data/eval/ifeval_prompts.jsonl]
+    python3 bench/generation.py --geometry mistral-7b --batch 272 --json $OUT/generation-7b.json   # H200
 """
 
 from __future__ import annotations
@@ -52,6 +58,65 @@ def _timed_stream(gen, ids: list[list[int]], max_tokens: int) -> tuple[int, floa
     return tokens, time.perf_counter() - t0
 
 
+def _geometry_rows(a: argparse.Namespace) -> list[dict]:
+    """The engine's decode and mlx-lm's batch generation on one batch at a random-init geometry."""
+    import json
+
+    import mlx.core as mx
+    import numpy as np
+    from engine import build_model
+    from engine_shapes import CPU_SMALL, MISTRAL_7B, LLAMA_1B
+    from mlx_lm.generate import batch_generate
+    from mlx_lm.sample_utils import make_sampler
+
+    from orpo.engine.head import lm_head_of
+    from orpo.engine.stack import Stack
+    from orpo.generation import PREFILL_BATCH, decode
+
+    shape = {"mistral-7b": MISTRAL_7B, "llama-1b": LLAMA_1B, "cpu-small": CPU_SMALL}[a.geometry]
+    model = build_model(shape, seed=0)
+    rng = np.random.default_rng(0)
+    low, high = a.prompt_tokens
+    prompts = [[int(x) for x in rng.integers(3, shape.vocab, int(n))] for n in rng.integers(low, high + 1, a.batch)]
+    greedy = make_sampler(temp=0.0)
+
+    class NoStops:  # a random model's answers run to their budget either way
+        eos_token_ids: list[int] = []
+
+        def decode(self, ids: list[int]) -> str:
+            return ""
+
+    runs = {
+        "engine decode": lambda t: decode(Stack(model), lm_head_of(model), prompts, [t] * a.batch, greedy, set()),
+        "mlx-lm batch_generate": lambda t: batch_generate(
+            model, NoStops(), prompts, max_tokens=t, sampler=greedy, return_token_ids=True,
+            completion_batch_size=a.batch, prefill_batch_size=min(a.batch, PREFILL_BATCH)).token_ids,
+    }
+    short, long = a.max_tokens // 8, a.max_tokens
+    rows, answers = [], {}
+    for name, run in runs.items():
+        run(2)  # untimed: the first calls build the kernels (on CUDA, per process)
+        times = {}
+        for t in (short, long):
+            mx.clear_cache()
+            mx.reset_peak_memory()
+            t0 = time.perf_counter()
+            answers[name] = run(t)
+            times[t] = time.perf_counter() - t0
+        step = (times[long] - times[short]) / (long - short)
+        rows.append({"variant": name, "batch": a.batch, "new_tokens": long, "seconds": round(times[long], 3),
+                     "tokens_per_s": round(a.batch * long / times[long], 1), "decode_step_ms": round(1000 * step, 2),
+                     "decode_tokens_per_s": round(a.batch / step, 1), "peak_gb": round(mx.get_peak_memory() / 1e9, 2)})
+        print(json.dumps(rows[-1]), flush=True)
+    same = sum(x == y for x, y in zip(*answers.values()))
+    print(f"{same} of {a.batch} greedy answers identical between the two ({shape.dtype}; the rest differ by rounding)")
+    if a.json:
+        Path(a.json).write_text(json.dumps({"geometry": a.geometry, "device": str(mx.default_device()),
+                                            "mlx": mx.__version__, "prompt_tokens": a.prompt_tokens, "rows": rows,
+                                            "identical_answers": same}, indent=1))
+    return rows
+
+
 def main() -> None:
     """Measure and print the table."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -62,7 +127,18 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--no-reference", action="store_true", help="skip the mlx_lm stream_generate row")
+    ap.add_argument("--geometry", choices=["mistral-7b", "llama-1b", "cpu-small"],
+                    help="random-init model of this geometry: the engine's decode against mlx-lm's batch generation")
+    ap.add_argument("--batch", type=int, default=272, help="with --geometry: prompts decoded together")
+    ap.add_argument("--prompt-tokens", type=int, nargs=2, default=[20, 400], metavar=("LOW", "HIGH"),
+                    help="with --geometry: prompt lengths drawn uniformly from this range")
+    ap.add_argument("--json", help="with --geometry: write the rows here")
     a = ap.parse_args()
+    if a.geometry:
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        reexec_with_openblas([], sys.argv)
+        _geometry_rows(a)
+        return
     if a.model == ap.get_default("model") and not Path(a.model).is_dir():
         sys.exit(f"no model at {a.model}: build the embedded base model first "
                  "(.venv/bin/snakemake results/base/model --profile workflow/profiles/default) or pass --model PATH")

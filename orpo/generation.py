@@ -24,6 +24,9 @@ from tqdm import tqdm
 
 from orpo import progress
 from orpo.device import device_memory
+from orpo.engine.forward import KVCache, UnsupportedModel
+from orpo.engine.head import LMHead, head_logits, lm_head_of
+from orpo.engine.stack import Stack
 from orpo.precision import Precision, load_model
 from orpo.render.settings import PromptSettings, RenderSettings, prompt_settings, resolve_prompting
 from orpo.render.template import ChatTemplate, encode_generation_prompt, resolve_model_dir, with_leading
@@ -42,6 +45,15 @@ class Generator:
     context_source: str | None = None  # where `context` was read, e.g. "config.json max_position_embeddings"
     lead: tuple[int, ...] = ()  # ids every prompt starts with (render.add_bos), as in training
     precision: Precision | None = None  # the dtype the model computes in (model.dtype), and why
+
+    @cached_property
+    def engine(self) -> tuple[Stack, LMHead] | None:
+        """The engine's forward and head for this model (generation's own batched decode), or None for a family
+        the engine has no forward for (mlx-lm's batch generation then)."""
+        try:
+            return Stack(self.model), lm_head_of(self.model)
+        except (UnsupportedModel, ValueError):
+            return None
 
     @cached_property
     def kv_bytes_per_position(self) -> int:
@@ -177,6 +189,106 @@ def load_generator(
     return Generator(net, wrapper, p.template, p.tokenizer, p.template_kwargs, context, source, p.lead, precision)
 
 
+# Prompt tokens a prefill forward takes at once (its activations are [rows, prompt length, H]): mlx-lm's
+# prefill of 8 prompts in steps of 2048 tokens.
+PREFILL_TOKENS = 8 * 2048
+
+
+def visible_bias(pads: mx.array, queries: mx.array, keys: int, window: int | None, dtype: mx.Dtype) -> mx.array:
+    """Additive masks [B, 1, len(queries), keys] of left-padded rows: a query at column q sees the keys at columns
+    pad..q within `window`; a padding query sees itself alone (finite values, never read)."""
+    k = mx.arange(keys)[None, None]
+    q = queries[None, :, None]
+    seen = (k <= q) & (k >= pads[:, None, None])
+    if window is not None:
+        seen = seen & (q - k < window)
+    seen = seen | (k == q)
+    return mx.where(seen, mx.array(0.0, dtype), mx.array(-mx.inf, dtype))[:, None]
+
+
+def forward_cached(stack: Stack, head: LMHead, tokens: mx.array, pads: mx.array, caches: list[KVCache]) -> mx.array:
+    """Logits [B, V] of the last of `tokens` [B, L], which join the caches at their offset."""
+    start, length = caches[0].offset, tokens.shape[1]
+    columns = mx.arange(start, start + length)
+    h = stack.embed(tokens)
+    biases = {w: visible_bias(pads, columns, start + length, w, h.dtype) for w in set(stack.windows)}
+    for cache, window in zip(caches, stack.windows):
+        cache.bias = biases[window]
+    positions = columns[None] - pads[:, None]  # RoPE counts from each row's first real token
+    h = stack.run(h, caches, 0, len(stack.layers), positions)
+    return head_logits(head, stack.norm(h[:, -1:]))[:, 0]
+
+
+def prefill(stack: Stack, head: LMHead, prompts: list[list[int]], room: int) -> tuple[mx.array, list[KVCache]]:
+    """The last prompt token's logits [B, V] and the layers' caches: each prompt left-padded to the longest, then
+    `room` free positions. Prompts (longest first) run PREFILL_TOKENS at a time, each block padded to its own
+    longest only and written into the caches' rows as it is done."""
+    width = len(prompts[0])
+    logits, caches = [], []
+    i = 0
+    while i < len(prompts):
+        block = prompts[i:i + max(1, PREFILL_TOKENS // len(prompts[i]))]
+        w = len(block[0])
+        part = [KVCache() for _ in stack.layers]
+        tokens = mx.array([[0] * (w - len(p)) + p for p in block])
+        logits.append(forward_cached(stack, head, tokens, mx.array([w - len(p) for p in block]), part))
+        if not caches:
+            empty = lambda x: mx.zeros((len(prompts), x.shape[1], width + room, x.shape[3]), x.dtype)  # noqa: E731
+            caches = [KVCache(empty(c.keys), empty(c.values), width) for c in part]
+        for c, new in zip(caches, part):
+            c.keys[i:i + len(block), :, width - w:width] = new.keys
+            c.values[i:i + len(block), :, width - w:width] = new.values
+        mx.eval(logits[-1], [(c.keys, c.values) for c in caches])
+        i += len(block)
+    return mx.concatenate(logits), caches
+
+
+def decode(stack: Stack, head: LMHead, prompts: list[list[int]], budgets: list[int], sampler: Callable,
+           stops: set[int]) -> list[list[int]]:
+    """The tokens generated after each prompt (a stop token ends one and is left out), all in one batch.
+
+    Prompts are left-padded into one cache of the longest prompt plus the largest budget; each step decodes every
+    row still going, the next step's graph built while this one runs. Rows that have finished leave the batch
+    when they are half of it (one gather of the caches).
+    """
+    out: list[list[int]] = [[] for _ in prompts]
+    # Each row's prompt, longest first; None once the row has finished.
+    batch: list[int | None] = sorted((i for i, b in enumerate(budgets) if b > 0), key=lambda i: -len(prompts[i]))
+    if not batch:
+        return out
+    rows = [prompts[i] for i in batch]
+    pads = mx.array([len(rows[0]) - len(p) for p in rows])
+    logits, caches = prefill(stack, head, rows, max(budgets))
+    sample = lambda logits: sampler(logits - mx.logsumexp(logits, axis=-1, keepdims=True))  # noqa: E731
+    y = sample(logits)
+    going = len(batch)
+    while going:
+        following = sample(forward_cached(stack, head, y[:, None], pads, caches))
+        mx.async_eval(following)
+        for r, token in enumerate(y.tolist()):
+            i = batch[r]
+            if i is None:
+                continue
+            if token not in stops:
+                out[i].append(token)
+            if token in stops or len(out[i]) == budgets[i]:
+                batch[r] = None
+                going -= 1
+        if going and 2 * going <= len(batch):
+            keep = [r for r, i in enumerate(batch) if i is not None]
+            following, pads, caches = compact(following, pads, caches, keep)
+            batch = [batch[r] for r in keep]
+        y = following
+    return out
+
+
+def compact(y: mx.array, pads: mx.array, caches: list[KVCache], keep: list[int]) -> tuple[mx.array, mx.array,
+                                                                                         list[KVCache]]:
+    """The batch cut to the rows `keep`: their next tokens, paddings and caches."""
+    idx = mx.array(keep)
+    return y[idx], pads[idx], [KVCache(c.keys[idx], c.values[idx], c.offset) for c in caches]
+
+
 def truncate_at_stop(text: str, stops: list[str]) -> str:
     """`text` up to (not including) the earliest occurrence of any stop string."""
     cut = min((i for i in (text.find(x) for x in stops) if i >= 0), default=len(text))
@@ -267,13 +379,10 @@ def generate_counted(
     try:
         done = 0
         for chunk in chunks:
-            # mlx-lm decodes at most completion_batch_size sequences at once (32 unless told): the whole chunk here.
-            out = batch_generate(gen.model, gen.wrapper, [prompts[i] for i in chunk],
-                                 max_tokens=[budgets[i] for i in chunk], sampler=sampler, return_token_ids=True,
-                                 completion_batch_size=len(chunk), prefill_batch_size=min(len(chunk), PREFILL_BATCH))
+            out = generated_ids(gen, [prompts[i] for i in chunk], [budgets[i] for i in chunk], sampler)
             batch_tokens = 0
-            for i, text, ids in zip(chunk, out.texts, out.token_ids):
-                texts[i], counts[i] = text, len(ids)
+            for i, ids in zip(chunk, out):
+                texts[i], counts[i] = gen.wrapper.decode(ids), len(ids)
                 batch_tokens += len(ids)
             tokens += batch_tokens
             done += len(chunk)
@@ -291,4 +400,15 @@ def generate_counted(
     if stops:
         texts = [truncate_at_stop(t, stops) for t in texts]
     return texts, counts, {"prompts": len(prompts), "generated_tokens": tokens, "seconds": round(seconds, 1),
-                           "tokens_per_s": round(tokens / max(seconds, 1e-9), 1)}
+                           "tokens_per_s": round(tokens / max(seconds, 1e-9), 1),
+                           "batch_sizes": [len(c) for c in chunks]}
+
+
+def generated_ids(gen: Generator, prompts: list[list[int]], budgets: list[int], sampler: Callable) -> list[list[int]]:
+    """The tokens generated after each prompt of one batch: the engine's decode, else mlx-lm's batch generation."""
+    if gen.engine is None:
+        # mlx-lm decodes at most completion_batch_size sequences at once (32 unless told): the whole batch here.
+        return batch_generate(gen.model, gen.wrapper, prompts, max_tokens=budgets, sampler=sampler,
+                              return_token_ids=True, completion_batch_size=len(prompts),
+                              prefill_batch_size=min(len(prompts), PREFILL_BATCH)).token_ids
+    return decode(*gen.engine, prompts, budgets, sampler, set(gen.wrapper.eos_token_ids))

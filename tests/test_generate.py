@@ -140,32 +140,17 @@ def test_generation_prompts_start_with_the_bos_training_prompts_got(tiny_base, t
 
 
 def test_a_batch_decodes_all_its_prompts_together(tiny_base):
-    """generate.batch_size prompts decode in one batch (mlx-lm decodes 32 at most unless told), and the greedy
-    responses equal those of batches of 4."""
+    """generate.batch_size prompts decode in one batch (mlx-lm's own batch generation decodes 32 at most unless
+    told), and the greedy responses equal those of batches of 4."""
     from orpo.generation import generate_counted, load_generator
 
     gen = load_generator(tiny_base)
-
-    class Recorded:
-        """The real model, its input batch sizes recorded."""
-
-        def __init__(self, model):
-            self.model, self.batches = model, []
-
-        def __call__(self, x, *args, **kwargs):
-            self.batches.append(x.shape[0])
-            return self.model(x, *args, **kwargs)
-
-        def __getattr__(self, name):
-            return getattr(self.model, name)
-
+    assert gen.engine is not None  # the engine's decode, not mlx-lm's batch generation
     prompts = [gen.prompt_ids([{"role": "user", "content": f"Tell me about the dog number {i}."}]) for i in range(40)]
     settings = {"max_tokens": 12, "temperature": 0.0, "top_p": 1.0, "seed": 0}
     small = generate_counted(gen, prompts, {**settings, "batch_size": 4})
-    gen.model = Recorded(gen.model)
-    texts, counts, _ = generate_counted(gen, prompts, {**settings, "batch_size": 40})
-    # Prompts join 8 at a time while the others decode and a few end early: 38 measured; mlx-lm alone caps at 32.
-    assert max(gen.model.batches) > 32
+    texts, counts, stats = generate_counted(gen, prompts, {**settings, "batch_size": 40})
+    assert small[2]["batch_sizes"] == [4] * 10 and stats["batch_sizes"] == [40]
     assert (texts, counts) == small[:2] and min(counts) > 0
 
 
@@ -199,8 +184,8 @@ def test_prompts_are_batched_by_the_memory_their_cache_takes():
 
 
 def test_generation_within_a_small_cache_budget_gives_the_same_responses(tiny_base):
-    """A cache budget of three sequences: no batch of the real model holds more than three, and the greedy
-    responses equal those of one unconstrained batch."""
+    """A cache budget of three sequences: no batch holds more than three, and the greedy responses equal those of
+    one unconstrained batch."""
     from orpo.generation import generate_counted, load_generator
 
     gen = load_generator(tiny_base)
@@ -208,19 +193,20 @@ def test_generation_within_a_small_cache_budget_gives_the_same_responses(tiny_ba
     settings = {"max_tokens": 12, "temperature": 0.0, "top_p": 1.0, "seed": 0, "batch_size": 10}
     whole = generate_counted(gen, prompts, settings)
     positions = -(-(max(len(p) for p in prompts) + 12) // 256) * 256
-    model, batches = gen.model, []
-
-    class Recorded:
-        def __call__(self, x, *args, **kwargs):
-            batches.append(x.shape[0])
-            return model(x, *args, **kwargs)
-
-        def __getattr__(self, name):
-            return getattr(model, name)
-
     per_token = gen.kv_bytes_per_position  # what generate_counted sizes batches by
-    gen.model = Recorded()
-    texts, counts, _ = generate_counted(gen, prompts, settings, cache_bytes=3 * positions * per_token)
-    decoding = [b for b in batches if b > 1]
-    assert decoding and max(decoding) == 3
+    texts, counts, stats = generate_counted(gen, prompts, settings, cache_bytes=3 * positions * per_token)
+    assert whole[2]["batch_sizes"] == [10] and max(stats["batch_sizes"]) == 3 and sum(stats["batch_sizes"]) == 10
     assert (texts, counts) == whole[:2]
+
+
+def test_a_family_without_the_engines_forward_generates_through_mlx_lm(tiny_base):
+    """A model the engine has no forward for still generates (mlx-lm's batch generation), the same greedy tokens
+    as the engine's decode gives the same model."""
+    from orpo.generation import generate_counted, load_generator
+
+    gen = load_generator(tiny_base)
+    prompts = [gen.prompt_ids([{"role": "user", "content": f"Name the bird number {i}."}]) for i in range(5)]
+    settings = {"max_tokens": 10, "temperature": 0.0, "top_p": 1.0, "seed": 0, "batch_size": 5}
+    ours = generate_counted(gen, prompts, settings)
+    gen.engine = None  # as for a family the engine does not know
+    assert generate_counted(gen, prompts, settings)[:2] == ours[:2]

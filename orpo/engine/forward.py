@@ -163,10 +163,49 @@ def softcapped_attention(attn: nn.Module, queries: mx.array, keys: mx.array, val
     return out.reshape(b, attn.n_heads, length, attn.head_dim) if attn.repeats > 1 else out
 
 
+@dataclass(eq=False)
+class KVCache:
+    """One layer's keys and values [B, kv heads, capacity, D] in batched generation, filled to `offset`, and
+    `bias` [B, 1, L, keys]: what this forward's queries may see (left padding, causality, the layer's window),
+    additive, set by the caller before each forward."""
+
+    keys: mx.array | None = None
+    values: mx.array | None = None
+    offset: int = 0
+    bias: mx.array | None = None
+
+    def update(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        """This forward's keys and values written at `offset`; every key and value so far returned."""
+        n = keys.shape[2]
+        if self.keys is None:
+            self.keys, self.values = keys, values
+        else:  # in place: the cache's buffers are donated to the update
+            self.keys[:, :, self.offset:self.offset + n] = keys
+            self.values[:, :, self.offset:self.offset + n] = values
+        self.offset += n
+        return self.keys[:, :, :self.offset], self.values[:, :, :self.offset]
+
+
+def decode_attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float, bias: mx.array,
+                     softcap: float | None = None) -> mx.array:
+    """Attention of one query a row (q [B, H, 1, D]) over cached keys under an additive `bias` [B, 1, 1, keys].
+
+    A key head's query heads are one matmul's rows, so each cached key is read once; mx.fast's attention with
+    an array mask runs MLX's unfused fallback on CUDA, which broadcasts the keys to every query head.
+    """
+    b, h, _, d = queries.shape
+    kv = keys.shape[1]
+    scores = (queries * scale).reshape(b, kv, h // kv, d) @ keys.swapaxes(-1, -2)
+    if softcap is not None:  # gemma2's, in mlx-lm's order
+        scores = mx.tanh(scores / softcap) * softcap
+    out = mx.softmax(scores + bias, axis=-1, precise=True) @ values
+    return out.reshape(b, h, 1, values.shape[-1])
+
+
 def attention(family: Family, attn: nn.Module, x: mx.array, mask: Any, positions: mx.array | None,
               ordered: bool = False) -> mx.array:
-    """A layer's self-attention of x [B, L, H] under `mask` and `ordered` (as `attend` takes them), RoPE at
-    `positions`."""
+    """A layer's self-attention of x [B, L, H] under `mask` and `ordered` (as `attend` takes them; a KVCache in
+    generation), RoPE at `positions`."""
     b, length, _ = x.shape
     queries = attn.q_proj(x).reshape(b, length, attn.n_heads, -1)
     keys = attn.k_proj(x).reshape(b, length, attn.n_kv_heads, -1)
@@ -177,6 +216,15 @@ def attention(family: Family, attn: nn.Module, x: mx.array, mask: Any, positions
     if family.qk_norm == "transposed":
         queries, keys = attn.q_norm(queries), attn.k_norm(keys)
     queries, keys = rope_at(attn.rope, queries, positions), rope_at(attn.rope, keys, positions)
+    if isinstance(mask, KVCache):
+        keys, values = mask.update(keys, values)
+        mask = mask.bias
+        if length == 1:
+            cap = attn.attn_logit_softcapping if family.softcap else None
+            out = decode_attention(queries, keys, values, attn.scale, mask, cap)
+            return attn.o_proj(out.transpose(0, 2, 1, 3).reshape(b, length, -1))
+        if family.softcap and attn.repeats > 1:  # its scores are [B, kv heads, repeats, L, keys]
+            mask = mask[:, :, None]
     if family.softcap:
         out = softcapped_attention(attn, queries, keys, values, mask)
     else:

@@ -105,11 +105,18 @@ def test_killed_run_resumes_to_the_same_adapter(run, tiny_base, tiny_rendered, t
     cmd = [sys.executable, "-m", "orpo.cli", "train", "--model", str(tiny_base), "--rendered", str(tiny_rendered),
            "--out", str(out), "--settings", settings]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    ckpt = tmp_path / "run.partial" / "checkpoints" / "step-000004" / "state.json"
+    index = tmp_path / "run.partial" / "index.json"
+
+    def resumable() -> bool:  # a resume takes only the checkpoints index.json lists
+        try:
+            return "4" in json.loads(index.read_text())["checkpoints"]
+        except (OSError, ValueError, KeyError):
+            return False
+
     deadline = time.time() + 120
-    while not ckpt.exists() and proc.poll() is None and time.time() < deadline:
+    while not resumable() and proc.poll() is None and time.time() < deadline:
         time.sleep(0.05)
-    assert ckpt.exists(), "the first checkpoint never appeared"
+    assert resumable(), "the first checkpoint never appeared in index.json"
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
     if out.exists():

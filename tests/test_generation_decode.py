@@ -7,7 +7,9 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from mlx_lm.sample_utils import make_sampler
+from mlx_lm.utils import quantize_model
 from test_engine_stack import VARIANTS, VOCAB, WINDOW, tiny_model
+from test_train_models import COMMON, FAMILIES
 
 from orpo.engine.forward import KVCache, decode_attention
 from orpo.engine.head import lm_head_of
@@ -34,10 +36,12 @@ def greedy_alone(model, prompt: list[int], budget: int, stops: set[int] = frozen
     return out
 
 
-@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("variant", [*VARIANTS, "llama_4bit"])
 def test_batched_decode_gives_each_prompts_own_greedy_tokens(variant):
     # Prompts of 3 to 13 tokens and 12 new ones: left padding of up to 10, and past the sliding window of 8.
-    model = tiny_model(variant)
+    model = tiny_model("llama" if variant == "llama_4bit" else variant)
+    if variant == "llama_4bit":  # a quantized model, as an mlx judge often is
+        model, _ = quantize_model(model, {**COMMON, **FAMILIES["llama"]}, group_size=32, bits=4)
     prompts = prompts_of(1, [3, 13, 7, 10])
     got = decode(Stack(model), lm_head_of(model), prompts, [12] * 4, GREEDY, set())
     assert got == [greedy_alone(model, p, 12) for p in prompts]

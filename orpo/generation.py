@@ -14,6 +14,7 @@ from typing import Any, Callable, TextIO
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.generate import batch_generate
+from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import make_sampler
 from mlx_lm.tokenizer_utils import TokenizerWrapper
@@ -194,27 +195,22 @@ def load_generator(
 PREFILL_TOKENS = 8 * 2048
 
 
-def visible_bias(pads: mx.array, queries: mx.array, keys: int, window: int | None, dtype: mx.Dtype) -> mx.array:
-    """Additive masks [B, 1, len(queries), keys] of left-padded rows: a query at column q sees the keys at columns
-    pad..q within `window`; a padding query sees itself alone (finite values, never read)."""
-    k = mx.arange(keys)[None, None]
-    q = queries[None, :, None]
-    seen = (k <= q) & (k >= pads[:, None, None])
-    if window is not None:
-        seen = seen & (q - k < window)
-    seen = seen | (k == q)
-    return mx.where(seen, mx.array(0.0, dtype), mx.array(-mx.inf, dtype))[:, None]
+def visible_bias(pads: mx.array, start: int, length: int, window: int | None, dtype: mx.Dtype) -> mx.array:
+    """Additive masks [B, 1, length, start + length] of left-padded rows for queries at columns start..: mlx-lm's
+    causal mask, except that a padding query sees itself (finite values, never read, where none would be NaN)."""
+    seen = create_causal_mask(length, start, window, left_padding=pads)
+    seen = seen | (mx.arange(start, start + length)[:, None] == mx.arange(start + length)[None])
+    return mx.where(seen, mx.array(0.0, dtype), mx.array(-mx.inf, dtype))
 
 
 def forward_cached(stack: Stack, head: LMHead, tokens: mx.array, pads: mx.array, caches: list[KVCache]) -> mx.array:
     """Logits [B, V] of the last of `tokens` [B, L], which join the caches at their offset."""
     start, length = caches[0].offset, tokens.shape[1]
-    columns = mx.arange(start, start + length)
     h = stack.embed(tokens)
-    biases = {w: visible_bias(pads, columns, start + length, w, h.dtype) for w in set(stack.windows)}
+    biases = {w: visible_bias(pads, start, length, w, h.dtype) for w in set(stack.windows)}
     for cache, window in zip(caches, stack.windows):
         cache.bias = biases[window]
-    positions = columns[None] - pads[:, None]  # RoPE counts from each row's first real token
+    positions = mx.arange(start, start + length)[None] - pads[:, None]  # RoPE counts from each row's first token
     h = stack.run(h, caches, 0, len(stack.layers), positions)
     return head_logits(head, stack.norm(h[:, -1:]))[:, 0]
 

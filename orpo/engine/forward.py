@@ -144,12 +144,15 @@ def rope_at(rope: nn.Module, x: mx.array, positions: mx.array | None) -> mx.arra
 
 def softcapped_attention(attn: nn.Module, queries: mx.array, keys: mx.array, values: mx.array,
                          mask: mx.array | None) -> mx.array:
-    """gemma2's attention as mlx-lm computes it: scores soft-capped before the softmax, GQA by broadcasting."""
+    """gemma2's attention as mlx-lm computes it: scores soft-capped before the softmax, GQA by broadcasting (a
+    per-row mask [B, 1, L, keys] then broadcast over the repeats too)."""
     b, _, length, _ = queries.shape
     queries = queries * attn.scale
     if attn.repeats > 1:
         queries = queries.reshape(b, attn.n_kv_heads, attn.repeats, length, attn.head_dim)
         keys, values = mx.expand_dims(keys, 2), mx.expand_dims(values, 2)
+        if mask is not None and mask.ndim == 4:
+            mask = mask[:, :, None]
     scores = queries @ keys.swapaxes(-1, -2)
     cap = attn.attn_logit_softcapping
     scores = mx.tanh(scores / cap)
@@ -223,8 +226,6 @@ def attention(family: Family, attn: nn.Module, x: mx.array, mask: Any, positions
             cap = attn.attn_logit_softcapping if family.softcap else None
             out = decode_attention(queries, keys, values, attn.scale, mask, cap)
             return attn.o_proj(out.transpose(0, 2, 1, 3).reshape(b, length, -1))
-        if family.softcap and attn.repeats > 1:  # its scores are [B, kv heads, repeats, L, keys]
-            mask = mask[:, :, None]
     if family.softcap:
         out = softcapped_attention(attn, queries, keys, values, mask)
     else:

@@ -93,7 +93,6 @@ class Stack:
         self.windows = self._windows()
         # gemma2 does its own attention math: an array mask, [B, kv, repeats, L, L] scores with GQA.
         self.array_masks = self.family == "gemma2"
-        self.mask_5d = self.family == "gemma2" and self.layers[0].self_attn.repeats > 1
 
     def _windows(self) -> list[int | None]:
         n = len(self.layers)
@@ -129,7 +128,7 @@ class Stack:
                     pos = layout.positions
                     mask = mask & ((pos[:, :, None] - pos[:, None, :]) < w)
                 if self.array_masks:
-                    built[w] = mask[:, None, None] if self.mask_5d else mask[:, None]
+                    built[w] = mask[:, None]
                 else:
                     # Additive, in the activation dtype, one per row: MLX's CUDA attention takes it as cuDNN's
                     # bias broadcast over heads, where a boolean mask is first expanded to [B, H, L, L].

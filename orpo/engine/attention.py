@@ -12,6 +12,8 @@ from typing import Any
 
 import mlx.core as mx
 
+from orpo.engine.flash import flash_backward, flash_fits
+
 
 # Extra head dims carrying the exclusion (cuDNN wants head dims in multiples of 8), and the magnitude in
 # each: a query flag S times a key penalty -S in all 8 dims adds -8 S^2 = -131072 to the raw score, far
@@ -120,7 +122,9 @@ def ordered_backward(q: mx.array, k: mx.array, v: mx.array, scale: float, mask: 
 
     Each block recomputes its float32 scores and softmax (causal blocks read only the keys they see), forms
     dS = P * (dP - rowsum(dO * O)) and takes dQ and its share of dK and dV as matmuls in the input dtype, the
-    shares summed block after block in float32; a key head's query heads are one matmul's rows.
+    shares summed block after block in float32; a key head's query heads are one matmul's rows. On CUDA, causal
+    or unmasked half-precision attention runs the same sums as two kernels (orpo.engine.flash) that keep each
+    block's scores on chip.
     """
     b, h, length, d = q.shape
     kv, keys = k.shape[1], k.shape[2]
@@ -128,6 +132,8 @@ def ordered_backward(q: mx.array, k: mx.array, v: mx.array, scale: float, mask: 
     offset = keys - length
     qg, dog = q.reshape(b, kv, g, length, d), cotangent.reshape(b, kv, g, length, v.shape[-1])
     delta = (dog.astype(mx.float32) * output.reshape(dog.shape).astype(mx.float32)).sum(axis=-1, keepdims=True)
+    if flash_fits(q, k, mask):
+        return flash_backward(q, k, v, scale, mask == "causal", cotangent, delta)
     rows = max(1, min(length, ORDERED_BLOCK_SCORES // max(1, b * h * keys)))
     dq, dk, dv = [], mx.zeros(k.shape, mx.float32), mx.zeros(v.shape, mx.float32)
     for first in range(0, length, rows):

@@ -1,0 +1,81 @@
+"""Attention forward + backward alone at the engine's shapes: cuDNN's (mx.fast's autodiff), the ordered backward
+through matmuls, and the fused ordered kernels (orpo.engine.flash). Milliseconds per call, TFLOP/s of the
+attention's model FLOPs (causal: half the pairs; forward 4 x pairs x head_dim, backward twice that).
+
+    python3 bench/attention_backward.py --json $OUT/attention-backward.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import mlx.core as mx
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from orpo.engine import attention  # noqa: E402
+
+SHAPES = {  # (batch, heads, kv heads, length, head dim)
+    "llama-1b-1024": (4, 32, 8, 1024, 64),
+    "llama-1b-2048": (4, 32, 8, 2048, 64),
+    "mistral-7b-1024": (4, 32, 8, 1024, 128),
+    "mistral-7b-2048": (4, 32, 8, 2048, 128),
+    "exclusion-1b-1536": (4, 32, 8, 1536, 72),
+}
+
+
+def timed(fn, args, repeats: int) -> float:
+    for _ in range(3):
+        mx.eval(fn(*args))
+    start = time.perf_counter()
+    for _ in range(repeats):
+        mx.eval(fn(*args))
+    return (time.perf_counter() - start) / repeats
+
+
+def run(shape: tuple, repeats: int) -> dict:
+    b, h, kvh, length, d = shape
+    key = mx.random.key(0)
+    q = mx.random.normal((b, h, length, d), key=key).astype(mx.bfloat16)
+    k = mx.random.normal((b, kvh, length, d), key=mx.random.key(1)).astype(mx.bfloat16)
+    v = mx.random.normal((b, kvh, length, d), key=mx.random.key(2)).astype(mx.bfloat16)
+    cot = mx.random.normal((b, h, length, d), key=mx.random.key(3)).astype(mx.bfloat16)
+    scale = d ** -0.5
+    sdpa = mx.fast.scaled_dot_product_attention
+    fits = attention.flash_fits
+    paths = {
+        "cudnn": lambda q, k, v: sdpa(q, k, v, scale=scale, mask="causal"),
+        "ordered-matmul": lambda q, k, v: attention.ordered_attention(q, k, v, scale, "causal"),
+        "ordered-flash": lambda q, k, v: attention.ordered_attention(q, k, v, scale, "causal"),
+    }
+    pairs = b * h * length * (length + 1) / 2
+    flops = 3 * 4 * pairs * d
+    out = {"shape": dict(zip(("batch", "heads", "kv_heads", "length", "head_dim"), shape))}
+    for name, f in paths.items():
+        attention.flash_fits = (lambda *a: False) if name == "ordered-matmul" else fits
+        fn = mx.compile(lambda q, k, v, f=f: mx.vjp(f, [q, k, v], [cot]))
+        mx.reset_peak_memory()
+        sec = timed(fn, (q, k, v), repeats)
+        out[name] = {"ms": round(sec * 1e3, 3), "tflops": round(flops / sec / 1e12, 1),
+                     "peak_gb": round(mx.get_peak_memory() / 1e9, 2)}
+        print(name, shape, out[name], flush=True)
+    attention.flash_fits = fits
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--json")
+    a = ap.parse_args()
+    rows = [run(SHAPES[s], a.repeats) for s in a.shapes.split(",")]
+    if a.json:
+        Path(a.json).write_text(json.dumps({"mlx": mx.__version__, "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,6 +1,8 @@
 """Attention forward + backward alone at the engine's shapes: cuDNN's (mx.fast's autodiff), the ordered backward
-through matmuls, and the fused ordered kernels (orpo.engine.flash). Milliseconds per call, TFLOP/s of the
-attention's model FLOPs (causal: half the pairs; forward 4 x pairs x head_dim, backward twice that).
+through matmuls, and the fused ordered kernels (orpo.engine.flash), then each of the two kernels alone (the dQ
+kernel with its log-sum-exp pass, the dK/dV kernel) at each tile size of `--tiles` (the dQ kernel's key block x
+the dK/dV kernel's query block; gradients against the default tiles'). Milliseconds per call, TFLOP/s of the attention's model
+FLOPs (causal: half the pairs; forward 4 x pairs x head_dim, backward twice that).
 
     python3 bench/attention_backward.py --json $OUT/attention-backward.json
 """
@@ -16,7 +18,7 @@ from pathlib import Path
 import mlx.core as mx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from orpo.engine import attention  # noqa: E402
+from orpo.engine import attention, flash  # noqa: E402
 
 SHAPES = {  # (batch, heads, kv heads, length, head dim)
     "llama-1b-1024": (4, 32, 8, 1024, 64),
@@ -66,13 +68,59 @@ def run(shape: tuple, repeats: int) -> dict:
     return out
 
 
+def tile_sweep(shape: tuple, tiles: list[tuple[int, int]], repeats: int) -> dict:
+    """kernels_alone at each (dQ key block, dK/dV query block), and the largest relative difference of the three
+    gradients from those of the default tiles (the sums' order within a block moves the last bits)."""
+    b, h, kvh, length, d = shape
+    q, k, v, cot = (mx.random.normal(s, key=mx.random.key(i)).astype(mx.bfloat16) for i, s in
+                    enumerate(((b, h, length, d), (b, kvh, length, d), (b, kvh, length, d), (b, h, length, d))))
+    delta = mx.random.normal((b, h, length))
+    default = (flash.DQ_KEYS, flash.KV_ROWS)
+    want = None
+    out = {}
+    for dq_keys, kv_rows in [default] + [t for t in tiles if t != default]:
+        flash.DQ_KEYS, flash.KV_ROWS = dq_keys, kv_rows
+        flash._kernels.cache_clear()
+        got = flash.flash_backward(q, k, v, d ** -0.5, True, cot, delta)
+        mx.eval(got)
+        want = want or got
+        diff = max((mx.abs(g.astype(mx.float32) - w.astype(mx.float32)).max()
+                    / mx.abs(w.astype(mx.float32)).max()).item() for g, w in zip(got, want))
+        row = {"max_relative_difference": diff, **kernels_alone(q, k, v, cot, d ** -0.5, repeats)}
+        out[f"{dq_keys}x{kv_rows}"] = row
+        print("tiles", f"{dq_keys}x{kv_rows}", shape, row, flush=True)
+    flash.DQ_KEYS, flash.KV_ROWS = default
+    flash._kernels.cache_clear()
+    return out
+
+
+def kernels_alone(q, k, v, cot, scale: float, repeats: int) -> dict:
+    """Each flash kernel's time on its own (inputs evaluated first; the dK/dV kernel given the dQ kernel's lse)."""
+    d = -(-q.shape[-1] // 16) * 16  # as flash_backward pads it
+    q, k, v, cot = (flash.pad_head_dim(x, d) for x in (q, k, v, cot))
+    delta = mx.random.normal(q.shape[:3])
+    scale_arr = mx.array([scale], mx.float32)
+    lse = flash.dq_and_lse(q, k, v, cot, delta, scale_arr, True)[1]
+    mx.eval(lse, delta, q, k, v, cot)
+    out = {}
+    for name, call in (("flash-dq-kernel", lambda: flash.dq_and_lse(q, k, v, cot, delta, scale_arr, True)),
+                       ("flash-dkv-kernel", lambda: flash.dk_and_dv(q, k, v, cot, delta, lse, scale_arr, True))):
+        out[name] = {"ms": round(timed(call, (), repeats) * 1e3, 3)}
+        print(name, tuple(q.shape), out[name], flush=True)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--tiles", default="32x32,64x32,32x64,64x64",
+                    help="tile sizes to sweep (dQ key block x dK/dV query block), comma-separated; '' for none")
     ap.add_argument("--json")
     a = ap.parse_args()
-    rows = [run(SHAPES[s], a.repeats) for s in a.shapes.split(",")]
+    tiles = [tuple(map(int, t.split("x"))) for t in a.tiles.split(",") if t]
+    rows = [{**run(SHAPES[s], a.repeats), "tiles": tile_sweep(SHAPES[s], tiles, a.repeats) if tiles else {}}
+            for s in a.shapes.split(",")]
     if a.json:
         Path(a.json).write_text(json.dumps({"mlx": mx.__version__, "rows": rows}, indent=1))
 

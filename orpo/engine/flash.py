@@ -1,4 +1,4 @@
-"""Causal attention's backward as two CUDA kernels that keep each block's scores on chip, summing in a fixed order.
+"""Causal (or unmasked) attention's backward as two CUDA kernels that keep the scores on chip, summing in a fixed order.
 
 `flash_backward` gives what `attention.ordered_backward` gives (the same products, bf16 or fp16 operands, float32
 sums) without writing a block's float32 scores to memory: one kernel per query block recomputes the row's
@@ -292,9 +292,36 @@ def flash_fits(q: mx.array, k: mx.array, mask: object) -> bool:
             and (mask is None or (isinstance(mask, str) and mask == "causal" and k.shape[2] >= q.shape[2])))
 
 
-def _padded(x: mx.array, to: int) -> mx.array:
+def pad_head_dim(x: mx.array, to: int) -> mx.array:
+    """x with zeros appended to its last axis up to `to`."""
     extra = to - x.shape[-1]
     return x if extra == 0 else mx.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, extra)])
+
+
+def _template(dtype: mx.Dtype, dk: int, dv: int, causal: bool) -> list:
+    return [("T", dtype), ("DK", dk), ("DV", dv), ("CAUSAL", causal), ("DQ_ROWS", DQ_ROWS), ("DQ_KEYS", DQ_KEYS),
+            ("KV_KEYS", KV_KEYS), ("KV_ROWS", KV_ROWS)]
+
+
+def dq_and_lse(q: mx.array, k: mx.array, v: mx.array, dout: mx.array, delta: mx.array, scale: mx.array,
+               causal: bool) -> tuple[mx.array, mx.array]:
+    """The dQ kernel on head dims already multiples of 16: dq like q, and each row's log-sum-exp [B, H, L] (base
+    2, of scale * log2(e) * scores) for `dk_and_dv`. `delta` [B, H, L] float32, `scale` a float32 [1]."""
+    b, h, length, dk = q.shape
+    return _kernels(dk, v.shape[-1], q.dtype.size)[0](
+        inputs=[q, k, v, dout, delta, scale], template=_template(q.dtype, dk, v.shape[-1], causal),
+        grid=(-(-length // DQ_ROWS) * THREADS, h, b), threadgroup=(THREADS, 1, 1),
+        output_shapes=[q.shape, (b, h, length)], output_dtypes=[q.dtype, mx.float32])
+
+
+def dk_and_dv(q: mx.array, k: mx.array, v: mx.array, dout: mx.array, delta: mx.array, lse: mx.array,
+              scale: mx.array, causal: bool) -> tuple[mx.array, mx.array]:
+    """The dK/dV kernel, as `dq_and_lse` takes its arguments, given its `lse`."""
+    b, kvh, keys, dk = k.shape
+    return _kernels(dk, v.shape[-1], q.dtype.size)[1](
+        inputs=[q, k, v, dout, delta, lse, scale], template=_template(q.dtype, dk, v.shape[-1], causal),
+        grid=(-(-keys // KV_KEYS) * THREADS, kvh, b), threadgroup=(THREADS, 1, 1),
+        output_shapes=[k.shape, v.shape], output_dtypes=[k.dtype, v.dtype])
 
 
 def flash_backward(q: mx.array, k: mx.array, v: mx.array, scale: float, causal: bool, cotangent: mx.array,
@@ -302,21 +329,12 @@ def flash_backward(q: mx.array, k: mx.array, v: mx.array, scale: float, causal: 
     """dq, dk, dv of softmax attention (q [B, H, L, D], k/v [B, kv heads, keys, D], causal bottom-right aligned)
     given the output's cotangent and delta = rowsum(dO * O) [B, H, L] in float32. Head dims are zero-padded to
     multiples of 16 for the tensor-core products (zeros change no score)."""
-    b, h, length, d = q.shape
-    kvh, keys, dvv = k.shape[1], k.shape[2], v.shape[-1]
+    d, dvv = q.shape[-1], v.shape[-1]
     dk_, dv_ = -(-d // 16) * 16, -(-dvv // 16) * 16
-    qp, kp, vp, dop = _padded(q, dk_), _padded(k, dk_), _padded(v, dv_), _padded(cotangent.astype(q.dtype), dv_)
-    dq_kernel, dkv_kernel = _kernels(dk_, dv_, q.dtype.size)
-    template = [("T", q.dtype), ("DK", dk_), ("DV", dv_), ("CAUSAL", causal), ("DQ_ROWS", DQ_ROWS),
-                ("DQ_KEYS", DQ_KEYS), ("KV_KEYS", KV_KEYS), ("KV_ROWS", KV_ROWS)]
+    qp, kp = pad_head_dim(q, dk_), pad_head_dim(k, dk_)
+    vp, dop = pad_head_dim(v, dv_), pad_head_dim(cotangent.astype(q.dtype), dv_)
     scale_arr = mx.array([scale], mx.float32)
-    delta = delta.reshape(b, h, length).astype(mx.float32)
-    dq, lse = dq_kernel(
-        inputs=[qp, kp, vp, dop, delta, scale_arr], template=template,
-        grid=(-(-length // DQ_ROWS) * THREADS, h, b), threadgroup=(THREADS, 1, 1),
-        output_shapes=[qp.shape, (b, h, length)], output_dtypes=[q.dtype, mx.float32])
-    dk, dv = dkv_kernel(
-        inputs=[qp, kp, vp, dop, delta, lse, scale_arr], template=template,
-        grid=(-(-keys // KV_KEYS) * THREADS, kvh, b), threadgroup=(THREADS, 1, 1),
-        output_shapes=[kp.shape, vp.shape], output_dtypes=[k.dtype, v.dtype])
+    delta = delta.reshape(q.shape[:3]).astype(mx.float32)
+    dq, lse = dq_and_lse(qp, kp, vp, dop, delta, scale_arr, causal)
+    dk, dv = dk_and_dv(qp, kp, vp, dop, delta, lse, scale_arr, causal)
     return dq[..., :d], dk[..., :d], dv[..., :dvv]

@@ -5,11 +5,16 @@ the dK/dV kernel's query block; gradients against the default tiles'). Milliseco
 FLOPs (causal: half the pairs; forward 4 x pairs x head_dim, backward twice that).
 
     python3 bench/attention_backward.py --json $OUT/attention-backward.json
+
+`--candidates FILE,...` times other versions of orpo/engine/flash.py (each file defines `flash_backward` with its
+signature) beside the product's, with their gradients' largest relative difference from the product kernels' and
+whether two runs give the same bits.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import sys
 import time
@@ -38,7 +43,15 @@ def timed(fn, args, repeats: int) -> float:
     return (time.perf_counter() - start) / repeats
 
 
-def run(shape: tuple, repeats: int) -> dict:
+def load_candidate(path: str):
+    """A module from a file (another version of orpo/engine/flash.py)."""
+    spec = importlib.util.spec_from_file_location(f"candidate_{Path(path).stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def run(shape: tuple, repeats: int, candidates: dict | None = None) -> dict:
     b, h, kvh, length, d = shape
     key = mx.random.key(0)
     q = mx.random.normal((b, h, length, d), key=key).astype(mx.bfloat16)
@@ -65,6 +78,22 @@ def run(shape: tuple, repeats: int) -> dict:
                      "peak_gb": round(mx.get_peak_memory() / 1e9, 2)}
         print(name, shape, out[name], flush=True)
     attention.flash_fits = fits
+    product = attention.flash_backward
+    grads = lambda: mx.compile(lambda q, k, v: mx.vjp(paths["ordered-flash"], [q, k, v], [cot])[1])(q, k, v)  # noqa: E731
+    want = grads()
+    for name, module in (candidates or {}).items():
+        attention.flash_backward = module.flash_backward
+        fn = mx.compile(lambda q, k, v: mx.vjp(paths["ordered-flash"], [q, k, v], [cot]))
+        mx.reset_peak_memory()
+        sec = timed(fn, (q, k, v), repeats)
+        first, second = grads(), grads()
+        diff = max((mx.abs(g.astype(mx.float32) - w.astype(mx.float32)).max()
+                    / mx.abs(w.astype(mx.float32)).max()).item() for g, w in zip(first, want))
+        out[f"candidate:{name}"] = {"ms": round(sec * 1e3, 3), "tflops": round(flops / sec / 1e12, 1),
+                                    "peak_gb": round(mx.get_peak_memory() / 1e9, 2), "max_relative_difference": diff,
+                                    "same_bits_twice": all(mx.array_equal(a, b).item() for a, b in zip(first, second))}
+        print(f"candidate:{name}", shape, out[f"candidate:{name}"], flush=True)
+        attention.flash_backward = product
     return out
 
 
@@ -116,10 +145,12 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--tiles", default="32x32,64x32,32x64,64x64",
                     help="tile sizes to sweep (dQ key block x dK/dV query block), comma-separated; '' for none")
+    ap.add_argument("--candidates", default="", help="other versions of orpo/engine/flash.py to time, comma-separated")
     ap.add_argument("--json")
     a = ap.parse_args()
+    candidates = {Path(p).stem: load_candidate(p) for p in a.candidates.split(",") if p}
     tiles = [tuple(map(int, t.split("x"))) for t in a.tiles.split(",") if t]
-    rows = [{**run(SHAPES[s], a.repeats), "tiles": tile_sweep(SHAPES[s], tiles, a.repeats) if tiles else {}}
+    rows = [{**run(SHAPES[s], a.repeats, candidates), "tiles": tile_sweep(SHAPES[s], tiles, a.repeats) if tiles else {}}
             for s in a.shapes.split(",")]
     if a.json:
         Path(a.json).write_text(json.dumps({"mlx": mx.__version__, "rows": rows}, indent=1))

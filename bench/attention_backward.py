@@ -143,7 +143,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--repeats", type=int, default=20)
-    ap.add_argument("--tiles", default="32x32,64x32,32x64,64x64",
+    ap.add_argument("--tiles", default="32x32,64x32,32x16,32x64,64x64",
                     help="tile sizes to sweep (dQ key block x dK/dV query block), comma-separated; '' for none")
     ap.add_argument("--candidates", default="", help="other versions of orpo/engine/flash.py to time, comma-separated")
     ap.add_argument("--json")

@@ -16,10 +16,10 @@ from orpo.device import on_cuda
 
 # Tile sizes (template constants of the kernels): a thread block's 4 warps take 16 query rows (dQ) or 16 keys
 # (dK/dV) each; blocks of the other side are multiples of 16. Row strides carry PAD extra elements so a warp's
-# 32-bit reads spread over the banks.
+# 32-bit reads spread over the banks (a multiple of 8: rows stay 16-byte aligned for vector copies).
 THREADS, DQ_ROWS, DQ_KEYS, KV_KEYS, KV_ROWS, PAD = 128, 64, 32, 64, 32, 8
 
-_HEADER = r"""
+_HEADER = f"#define FAB_PAD {PAD}\n" + r"""
 #define FAB_LOG2E 1.4426950408889634f
 __device__ __forceinline__ float fab_neg_inf() { return __int_as_float(0xff800000); }
 
@@ -52,7 +52,7 @@ __device__ __forceinline__ unsigned fab_gather(const T* lo, const T* hi) {
          ((unsigned)*reinterpret_cast<const unsigned short*>(hi) << 16);
 }
 
-// rows [first, first + n) of a [len, D] matrix into shared memory (row stride D + 8), zeros past len.
+// rows [first, first + n) of a [len, D] matrix into shared memory (row stride D + FAB_PAD), zeros past len.
 template <typename T, int D>
 __device__ __forceinline__ void fab_load(T* dst, const T* src, int first, int n, int len) {
   constexpr int V = D / 8;  // 16-byte vectors a row
@@ -60,14 +60,14 @@ __device__ __forceinline__ void fab_load(T* dst, const T* src, int first, int n,
     int r = i / V, c = (i % V) * 8;
     uint4 x = make_uint4(0, 0, 0, 0);
     if (first + r < len) x = *reinterpret_cast<const uint4*>(src + (size_t)(first + r) * D + c);
-    *reinterpret_cast<uint4*>(dst + r * (D + 8) + c) = x;
+    *reinterpret_cast<uint4*>(dst + r * (D + FAB_PAD) + c) = x;
   }
 }
 
 // s[N/8][4] = A (16 rows of a [.., D] tile) * B^T (N rows of a [.., D] tile): a warp's 16 x N scores.
 template <typename T, int D, int N>
 __device__ __forceinline__ void fab_scores(float (*s)[4], const T* a, const T* b, int g, int t) {
-  constexpr int SD = D + 8;
+  constexpr int SD = D + FAB_PAD;
 #pragma unroll
   for (int n = 0; n < N / 8; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
 #pragma unroll
@@ -86,7 +86,7 @@ __device__ __forceinline__ void fab_scores(float (*s)[4], const T* a, const T* b
 // acc[D/8][4] += P (the warp's 16 x K, as score fragments) * M (K rows of a [.., D] tile).
 template <typename T, int D, int K>
 __device__ __forceinline__ void fab_accumulate(float (*acc)[4], const float (*p)[4], const T* m, int g, int t) {
-  constexpr int SD = D + 8;
+  constexpr int SD = D + FAB_PAD;
 #pragma unroll
   for (int ks = 0; ks < K / 16; ++ks) {
     const T* tag = m;
@@ -106,7 +106,7 @@ __device__ __forceinline__ void fab_accumulate(float (*acc)[4], const float (*p)
 
 # One query block a thread block: pass 1 its rows' log-sum-exp (base 2, of scale * log2(e) * scores), pass 2 dQ.
 _DQ_SOURCE = r"""
-  constexpr int BR = DQ_ROWS, BC = DQ_KEYS, SK = DK + 8, SV = DV + 8;
+  constexpr int BR = DQ_ROWS, BC = DQ_KEYS, SK = DK + FAB_PAD, SV = DV + FAB_PAD;
   extern __shared__ __align__(16) unsigned char fab_smem[];
   T* sQ = reinterpret_cast<T*>(fab_smem);
   T* sO = sQ + BR * SK;
@@ -194,7 +194,7 @@ _DQ_SOURCE = r"""
 
 # One key block of one key head a thread block: dK and dV summed over its query heads and query blocks in order.
 _DKV_SOURCE = r"""
-  constexpr int BC = KV_KEYS, BR = KV_ROWS, SK = DK + 8, SV = DV + 8;
+  constexpr int BC = KV_KEYS, BR = KV_ROWS, SK = DK + FAB_PAD, SV = DV + FAB_PAD;
   extern __shared__ __align__(16) unsigned char fab_smem[];
   T* sK = reinterpret_cast<T*>(fab_smem);
   T* sV = sK + BC * SK;

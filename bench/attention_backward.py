@@ -83,17 +83,23 @@ def run(shape: tuple, repeats: int, candidates: dict | None = None) -> dict:
     want = grads()
     for name, module in (candidates or {}).items():
         attention.flash_backward = module.flash_backward
-        fn = mx.compile(lambda q, k, v: mx.vjp(paths["ordered-flash"], [q, k, v], [cot]))
-        mx.reset_peak_memory()
-        sec = timed(fn, (q, k, v), repeats)
-        first, second = grads(), grads()
-        diff = max((mx.abs(g.astype(mx.float32) - w.astype(mx.float32)).max()
-                    / mx.abs(w.astype(mx.float32)).max()).item() for g, w in zip(first, want))
-        out[f"candidate:{name}"] = {"ms": round(sec * 1e3, 3), "tflops": round(flops / sec / 1e12, 1),
-                                    "peak_gb": round(mx.get_peak_memory() / 1e9, 2), "max_relative_difference": diff,
-                                    "same_bits_twice": all(mx.array_equal(a, b).item() for a, b in zip(first, second))}
-        print(f"candidate:{name}", shape, out[f"candidate:{name}"], flush=True)
-        attention.flash_backward = product
+        try:
+            fn = mx.compile(lambda q, k, v: mx.vjp(paths["ordered-flash"], [q, k, v], [cot]))
+            mx.reset_peak_memory()
+            sec = timed(fn, (q, k, v), repeats)
+            first, second = grads(), grads()
+            diff = max((mx.abs(g.astype(mx.float32) - w.astype(mx.float32)).max()
+                        / mx.abs(w.astype(mx.float32)).max()).item() for g, w in zip(first, want))
+            row = {"ms": round(sec * 1e3, 3), "tflops": round(flops / sec / 1e12, 1),
+                   "peak_gb": round(mx.get_peak_memory() / 1e9, 2), "max_relative_difference": diff,
+                   "same_bits": all(mx.array_equal(a, b).item() for a, b in zip(first, want)),
+                   "same_bits_twice": all(mx.array_equal(a, b).item() for a, b in zip(first, second))}
+        except Exception as e:  # a candidate that does not compile or launch is a result, not the end of the run
+            row = {"error": f"{type(e).__name__}: {e}"[:2000]}
+        finally:
+            attention.flash_backward = product
+        out[f"candidate:{name}"] = row
+        print(f"candidate:{name}", shape, row, flush=True)
     return out
 
 
@@ -150,10 +156,12 @@ def main() -> None:
     a = ap.parse_args()
     candidates = {Path(p).stem: load_candidate(p) for p in a.candidates.split(",") if p}
     tiles = [tuple(map(int, t.split("x"))) for t in a.tiles.split(",") if t]
-    rows = [{**run(SHAPES[s], a.repeats, candidates), "tiles": tile_sweep(SHAPES[s], tiles, a.repeats) if tiles else {}}
-            for s in a.shapes.split(",")]
-    if a.json:
-        Path(a.json).write_text(json.dumps({"mlx": mx.__version__, "rows": rows}, indent=1))
+    rows = []
+    for s in a.shapes.split(","):
+        rows.append({**run(SHAPES[s], a.repeats, candidates),
+                     "tiles": tile_sweep(SHAPES[s], tiles, a.repeats) if tiles else {}})
+        if a.json:  # after every shape: a run cut short by a time limit keeps what it measured
+            Path(a.json).write_text(json.dumps({"mlx": mx.__version__, "rows": rows}, indent=1))
 
 
 if __name__ == "__main__":

@@ -2,8 +2,11 @@
 
 `flash_backward` gives what `attention.ordered_backward` gives (the same products, bf16 or fp16 operands, float32
 sums) without writing a block's float32 scores to memory: one kernel per query block recomputes the row's
-log-sum-exp and then dQ over the key blocks in order; one per key block sums dK and dV over the query blocks
-(and a key head's query heads) in order. No atomics: the same inputs give the same bits on every run.
+log-sum-exp and then dQ over the key blocks in order; one per key block and query head sums that head's shares
+of dK and dV over the query blocks in order, and a key head's shares are then added in head order. No atomics:
+the same inputs give the same bits on every run. Products are bf16/fp16 tensor-core `mma.sync` on fragments read
+with `ldmatrix`; the blocks a loop walks are double-buffered in shared memory, the next copied with `cp.async`
+while the current one is multiplied.
 """
 
 from __future__ import annotations
@@ -44,12 +47,20 @@ __device__ __forceinline__ void fab_mma(float* c, const unsigned* a, const unsig
                : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
                : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
-template <typename T>
-__device__ __forceinline__ unsigned fab_pair(const T* p) { return *reinterpret_cast<const unsigned*>(p); }
-template <typename T>
-__device__ __forceinline__ unsigned fab_gather(const T* lo, const T* hi) {
-  return (unsigned)*reinterpret_cast<const unsigned short*>(lo) |
-         ((unsigned)*reinterpret_cast<const unsigned short*>(hi) << 16);
+// The 32-bit shared-memory address that ldmatrix and cp.async take.
+__device__ __forceinline__ unsigned fab_smem_address(const void* p) {
+  unsigned a;
+  asm volatile("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }\n" : "=r"(a) : "l"(p));
+  return a;
+}
+// Four 8x8 b16 matrices from shared memory (lanes 8i..8i+7 give matrix i's row addresses); .trans transposes each.
+__device__ __forceinline__ void fab_ldsm(unsigned* r, const void* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(fab_smem_address(p)));
+}
+__device__ __forceinline__ void fab_ldsm_trans(unsigned* r, const void* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(fab_smem_address(p)));
 }
 
 // rows [first, first + n) of a [len, D] matrix into shared memory (row stride D + FAB_PAD), zeros past len.
@@ -64,21 +75,47 @@ __device__ __forceinline__ void fab_load(T* dst, const T* src, int first, int n,
   }
 }
 
+// Asynchronous copies (sm_80+): `bytes` of 16 (or 4) copied, the rest of the destination zero-filled.
+__device__ __forceinline__ void fab_copy16(void* dst, const void* src, int bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" :: "r"(fab_smem_address(dst)), "l"(src), "r"(bytes)
+               : "memory");
+}
+__device__ __forceinline__ void fab_copy4(void* dst, const void* src, int bytes) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" :: "r"(fab_smem_address(dst)), "l"(src), "r"(bytes)
+               : "memory");
+}
+__device__ __forceinline__ void fab_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void fab_wait() { asm volatile("cp.async.wait_group %0;\n" :: "n"(N) : "memory"); }
+
+// fab_load's rows, copied asynchronously (fab_commit, then fab_wait before reading them).
+template <typename T, int D>
+__device__ __forceinline__ void fab_load_async(T* dst, const T* src, int first, int n, int len) {
+  constexpr int V = D / 8;
+  for (int i = threadIdx.x; i < n * V; i += blockDim.x) {
+    int r = i / V, c = (i % V) * 8;
+    bool ok = first + r < len;
+    fab_copy16(dst + r * (D + FAB_PAD) + c, src + (size_t)(ok ? first + r : 0) * D + c, ok ? 16 : 0);
+  }
+}
+
 // s[N/8][4] = A (16 rows of a [.., D] tile) * B^T (N rows of a [.., D] tile): a warp's 16 x N scores.
 template <typename T, int D, int N>
 __device__ __forceinline__ void fab_scores(float (*s)[4], const T* a, const T* b, int g, int t) {
   constexpr int SD = D + FAB_PAD;
+  const int lane = threadIdx.x & 31;
 #pragma unroll
   for (int n = 0; n < N / 8; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
 #pragma unroll
   for (int ks = 0; ks < D / 16; ++ks) {
-    unsigned af[4] = {fab_pair(a + g * SD + ks * 16 + t * 2), fab_pair(a + (g + 8) * SD + ks * 16 + t * 2),
-                      fab_pair(a + g * SD + ks * 16 + 8 + t * 2), fab_pair(a + (g + 8) * SD + ks * 16 + 8 + t * 2)};
+    unsigned af[4];
+    fab_ldsm(af, a + (lane & 15) * SD + ks * 16 + (lane >> 4) * 8);
 #pragma unroll
-    for (int n = 0; n < N / 8; ++n) {
-      unsigned bf[2] = {fab_pair(b + (n * 8 + g) * SD + ks * 16 + t * 2),
-                        fab_pair(b + (n * 8 + g) * SD + ks * 16 + 8 + t * 2)};
+    for (int n = 0; n < N / 8; n += 2) {
+      unsigned bf[4];
+      fab_ldsm(bf, b + (n * 8 + (lane & 7) + (lane >> 4) * 8) * SD + ks * 16 + ((lane >> 3) & 1) * 8);
       fab_mma(s[n], af, bf, a);
+      fab_mma(s[n + 1], af, bf + 2, a);
     }
   }
 }
@@ -87,18 +124,20 @@ __device__ __forceinline__ void fab_scores(float (*s)[4], const T* a, const T* b
 template <typename T, int D, int K>
 __device__ __forceinline__ void fab_accumulate(float (*acc)[4], const float (*p)[4], const T* m, int g, int t) {
   constexpr int SD = D + FAB_PAD;
+  const int lane = threadIdx.x & 31;
 #pragma unroll
   for (int ks = 0; ks < K / 16; ++ks) {
     const T* tag = m;
     unsigned af[4] = {fab_pack(p[2 * ks][0], p[2 * ks][1], tag), fab_pack(p[2 * ks][2], p[2 * ks][3], tag),
                       fab_pack(p[2 * ks + 1][0], p[2 * ks + 1][1], tag),
                       fab_pack(p[2 * ks + 1][2], p[2 * ks + 1][3], tag)};
-    const T* r0 = m + (ks * 16 + t * 2) * SD;
+    const T* r0 = m + (ks * 16 + (lane & 15)) * SD + (lane >> 4) * 8;
 #pragma unroll
-    for (int n = 0; n < D / 8; ++n) {
-      unsigned bf[2] = {fab_gather(r0 + n * 8 + g, r0 + SD + n * 8 + g),
-                        fab_gather(r0 + 8 * SD + n * 8 + g, r0 + 9 * SD + n * 8 + g)};
+    for (int n = 0; n < D / 8; n += 2) {
+      unsigned bf[4];
+      fab_ldsm_trans(bf, r0 + n * 8);
       fab_mma(acc[n], af, bf, m);
+      fab_mma(acc[n + 1], af, bf + 2, m);
     }
   }
 }
@@ -110,11 +149,13 @@ _DQ_SOURCE = r"""
   extern __shared__ __align__(16) unsigned char fab_smem[];
   T* sQ = reinterpret_cast<T*>(fab_smem);
   T* sO = sQ + BR * SK;
-  T* sK = sO + BR * SV;
-  T* sV = sK + BC * SK;
+  T* sK = sO + BR * SV;  // two key blocks: the one read and the next, copied meanwhile
+  T* sV = sK + 2 * BC * SK;
   const int H = q_shape[1], L = q_shape[2], KVH = k_shape[1], S = k_shape[2];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane >> 2, t = lane & 3;
-  const int q0 = blockIdx.x * BR, h = blockIdx.y, b = blockIdx.z, kvh = h / (H / KVH), offset = S - L;
+  // Causal: the last query blocks see the most keys; blocks start in order of x, so they take x = 0 first.
+  const int q0 = (CAUSAL ? gridDim.x - 1 - blockIdx.x : blockIdx.x) * BR, h = blockIdx.y, b = blockIdx.z;
+  const int kvh = h / (H / KVH), offset = S - L;
   const size_t bh = (size_t)b * H + h, bkv = (size_t)b * KVH + kvh;
   const float sl = scale[0] * FAB_LOG2E;
   fab_load<T, DK>(sQ, q + bh * L * DK, q0, BR, L);
@@ -123,11 +164,22 @@ _DQ_SOURCE = r"""
   const int kend = CAUSAL ? min(S, q0 + BR + offset) : S;
   float m[2] = {fab_neg_inf(), fab_neg_inf()}, l[2] = {0.f, 0.f};
   float s[BC / 8][4], dp[BC / 8][4];
-  for (int k0 = 0; k0 < kend; k0 += BC) {
+  const T* kg = k + bkv * S * DK;
+  const T* vg = v + bkv * S * DV;
+  const int blocks = (kend + BC - 1) / BC;
+  fab_load_async<T, DK>(sK, kg, 0, BC, S);
+  fab_commit();
+  for (int j = 0; j < blocks; ++j) {
+    const int k0 = j * BC;
+    if (j + 1 < blocks) {
+      fab_load_async<T, DK>(sK + ((j + 1) & 1) * BC * SK, kg, k0 + BC, BC, S);
+      fab_commit();
+      fab_wait<1>();
+    } else {
+      fab_wait<0>();
+    }
     __syncthreads();
-    fab_load<T, DK>(sK, k + bkv * S * DK, k0, BC, S);
-    __syncthreads();
-    fab_scores<T, DK, BC>(s, sQ + warp * 16 * SK, sK, g, t);
+    fab_scores<T, DK, BC>(s, sQ + warp * 16 * SK, sK + (j & 1) * BC * SK, g, t);
     float top[2] = {fab_neg_inf(), fab_neg_inf()};
 #pragma unroll
     for (int n = 0; n < BC / 8; ++n)
@@ -150,6 +202,7 @@ _DQ_SOURCE = r"""
       l[i] = l[i] * exp2f(m[i] - mn) + sum;
       m[i] = mn;
     }
+    __syncthreads();  // the next copy overwrites this block's buffer
   }
   float lse[2], dl[2];
 #pragma unroll
@@ -163,13 +216,23 @@ _DQ_SOURCE = r"""
   float acc[DK / 8][4];
 #pragma unroll
   for (int n = 0; n < DK / 8; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;
-  for (int k0 = 0; k0 < kend; k0 += BC) {
+  fab_load_async<T, DK>(sK, kg, 0, BC, S);
+  fab_load_async<T, DV>(sV, vg, 0, BC, S);
+  fab_commit();
+  for (int j = 0; j < blocks; ++j) {
+    const int k0 = j * BC;
+    if (j + 1 < blocks) {
+      fab_load_async<T, DK>(sK + ((j + 1) & 1) * BC * SK, kg, k0 + BC, BC, S);
+      fab_load_async<T, DV>(sV + ((j + 1) & 1) * BC * SV, vg, k0 + BC, BC, S);
+      fab_commit();
+      fab_wait<1>();
+    } else {
+      fab_wait<0>();
+    }
     __syncthreads();
-    fab_load<T, DK>(sK, k + bkv * S * DK, k0, BC, S);
-    fab_load<T, DV>(sV, v + bkv * S * DV, k0, BC, S);
-    __syncthreads();
-    fab_scores<T, DK, BC>(s, sQ + warp * 16 * SK, sK, g, t);
-    fab_scores<T, DV, BC>(dp, sO + warp * 16 * SV, sV, g, t);
+    const T* cK = sK + (j & 1) * BC * SK;
+    fab_scores<T, DK, BC>(s, sQ + warp * 16 * SK, cK, g, t);
+    fab_scores<T, DV, BC>(dp, sO + warp * 16 * SV, sV + (j & 1) * BC * SV, g, t);
 #pragma unroll
     for (int n = 0; n < BC / 8; ++n)
 #pragma unroll
@@ -179,7 +242,8 @@ _DQ_SOURCE = r"""
         float p = ok ? exp2f(s[n][e] * sl - lse[e >> 1]) : 0.f;
         s[n][e] = p * (dp[n][e] - dl[e >> 1]);
       }
-    fab_accumulate<T, DK, BC>(acc, s, sK, g, t);
+    fab_accumulate<T, DK, BC>(acc, s, cK, g, t);
+    __syncthreads();
   }
   const float sc = scale[0];
 #pragma unroll
@@ -198,14 +262,14 @@ _DKV_SOURCE = r"""
   extern __shared__ __align__(16) unsigned char fab_smem[];
   T* sK = reinterpret_cast<T*>(fab_smem);
   T* sV = sK + BC * SK;
-  T* sQ = sV + BC * SV;
-  T* sO = sQ + BR * SK;
-  float* sL = reinterpret_cast<float*>(sO + BR * SV);
-  float* sD = sL + BR;
+  T* sQ = sV + BC * SV;  // two query blocks (with their lse and delta): the one read and the next
+  T* sO = sQ + 2 * BR * SK;
+  float* sL = reinterpret_cast<float*>(sO + 2 * BR * SV);
+  float* sD = sL + 2 * BR;
   const int H = q_shape[1], L = q_shape[2], KVH = k_shape[1], S = k_shape[2], G = H / KVH;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane >> 2, t = lane & 3;
-  const int k0 = blockIdx.x * BC, kvh = blockIdx.y, b = blockIdx.z, offset = S - L;
-  const size_t bkv = (size_t)b * KVH + kvh;
+  const int k0 = blockIdx.x * BC, h = blockIdx.y, kvh = h / G, b = blockIdx.z, offset = S - L;
+  const size_t bkv = (size_t)b * KVH + kvh, bh = (size_t)b * H + h;
   const float sl = scale[0] * FAB_LOG2E;
   fab_load<T, DK>(sK, k + bkv * S * DK, k0, BC, S);
   fab_load<T, DV>(sV, v + bkv * S * DV, k0, BC, S);
@@ -216,46 +280,61 @@ _DKV_SOURCE = r"""
   for (int n = 0; n < DK / 8; ++n) dk[n][0] = dk[n][1] = dk[n][2] = dk[n][3] = 0.f;
 #pragma unroll
   for (int n = 0; n < DV / 8; ++n) dv[n][0] = dv[n][1] = dv[n][2] = dv[n][3] = 0.f;
-  for (int hg = 0; hg < G; ++hg) {
-    const size_t bh = (size_t)b * H + kvh * G + hg;
-    for (int q0 = qfirst; q0 < L; q0 += BR) {
-      __syncthreads();
-      fab_load<T, DK>(sQ, q + bh * L * DK, q0, BR, L);
-      fab_load<T, DV>(sO, dout + bh * L * DV, q0, BR, L);
-      if (threadIdx.x < BR) {
-        int r = q0 + threadIdx.x;
-        sL[threadIdx.x] = r < L ? lse[bh * L + r] : 0.f;
-        sD[threadIdx.x] = r < L ? delta[bh * L + r] : 0.f;
-      }
-      __syncthreads();
-      fab_scores<T, DK, BR>(s, sK + warp * 16 * SK, sQ, g, t);
-      fab_scores<T, DV, BR>(dp, sV + warp * 16 * SV, sO, g, t);
-#pragma unroll
-      for (int n = 0; n < BR / 8; ++n)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          int c = n * 8 + t * 2 + (e & 1), r = q0 + c, kk = key[e >> 1];
-          bool ok = r < L && kk < S && (!CAUSAL || kk <= r + offset);
-          float p = ok ? exp2f(s[n][e] * sl - sL[c]) : 0.f;
-          s[n][e] = p;
-          dp[n][e] = p * (dp[n][e] - sD[c]);
-        }
-      fab_accumulate<T, DV, BR>(dv, s, sO, g, t);
-      fab_accumulate<T, DK, BR>(dk, dp, sQ, g, t);
+  const int blocks = (L - qfirst + BR - 1) / BR;
+  auto copy_block = [&](int j) {
+    const int q0 = qfirst + j * BR, buf = j & 1;
+    fab_load_async<T, DK>(sQ + buf * BR * SK, q + bh * L * DK, q0, BR, L);
+    fab_load_async<T, DV>(sO + buf * BR * SV, dout + bh * L * DV, q0, BR, L);
+    if (threadIdx.x < BR) {
+      int r = q0 + threadIdx.x;
+      bool ok = r < L;
+      fab_copy4(sL + buf * BR + threadIdx.x, lse + bh * L + (ok ? r : 0), ok ? 4 : 0);
+      fab_copy4(sD + buf * BR + threadIdx.x, delta + bh * L + (ok ? r : 0), ok ? 4 : 0);
     }
+    fab_commit();
+  };
+  if (blocks > 0) copy_block(0);
+  for (int j = 0; j < blocks; ++j) {
+    const int q0 = qfirst + j * BR, buf = j & 1;
+    if (j + 1 < blocks) {
+      copy_block(j + 1);
+      fab_wait<1>();
+    } else {
+      fab_wait<0>();
+    }
+    __syncthreads();
+    const T* cQ = sQ + buf * BR * SK;
+    const T* cO = sO + buf * BR * SV;
+    const float* cL = sL + buf * BR;
+    const float* cD = sD + buf * BR;
+    fab_scores<T, DK, BR>(s, sK + warp * 16 * SK, cQ, g, t);
+    fab_scores<T, DV, BR>(dp, sV + warp * 16 * SV, cO, g, t);
+#pragma unroll
+    for (int n = 0; n < BR / 8; ++n)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        int c = n * 8 + t * 2 + (e & 1), r = q0 + c, kk = key[e >> 1];
+        bool ok = r < L && kk < S && (!CAUSAL || kk <= r + offset);
+        float p = ok ? exp2f(s[n][e] * sl - cL[c]) : 0.f;
+        s[n][e] = p;
+        dp[n][e] = p * (dp[n][e] - cD[c]);
+      }
+    fab_accumulate<T, DV, BR>(dv, s, cO, g, t);
+    fab_accumulate<T, DK, BR>(dk, dp, cQ, g, t);
+    __syncthreads();  // the next copy overwrites this block's buffers
   }
   const float sc = scale[0];
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
     if (key[i] >= S) continue;
-    T* gk = dk_out + (bkv * S + key[i]) * DK;
-    T* ov = dv_out + (bkv * S + key[i]) * DV;
+    float* gk = dk_out + (bh * S + key[i]) * DK;
+    float* ov = dv_out + (bh * S + key[i]) * DV;
 #pragma unroll
     for (int n = 0; n < DK / 8; ++n)
-      *reinterpret_cast<unsigned*>(gk + n * 8 + t * 2) = fab_pack(dk[n][2 * i] * sc, dk[n][2 * i + 1] * sc, gk);
+      *reinterpret_cast<float2*>(gk + n * 8 + t * 2) = make_float2(dk[n][2 * i] * sc, dk[n][2 * i + 1] * sc);
 #pragma unroll
     for (int n = 0; n < DV / 8; ++n)
-      *reinterpret_cast<unsigned*>(ov + n * 8 + t * 2) = fab_pack(dv[n][2 * i], dv[n][2 * i + 1], ov);
+      *reinterpret_cast<float2*>(ov + n * 8 + t * 2) = make_float2(dv[n][2 * i], dv[n][2 * i + 1]);
   }
 """
 
@@ -270,11 +349,11 @@ def _kernels(dk: int, dv: int, itemsize: int) -> tuple:
     dq = mx.fast.cuda_kernel(
         name=f"orpo_flash_dq_{dk}_{dv}", input_names=["q", "k", "v", "dout", "delta", "scale"],
         output_names=["dq", "lse_out"], source=_DQ_SOURCE, header=_HEADER,
-        shared_memory=_tiles_bytes(DQ_ROWS, DQ_KEYS, dk, dv, itemsize))
+        shared_memory=_tiles_bytes(DQ_ROWS, 2 * DQ_KEYS, dk, dv, itemsize))
     dkv = mx.fast.cuda_kernel(
         name=f"orpo_flash_dkv_{dk}_{dv}", input_names=["q", "k", "v", "dout", "delta", "lse", "scale"],
         output_names=["dk_out", "dv_out"], source=_DKV_SOURCE, header=_HEADER,
-        shared_memory=_tiles_bytes(KV_KEYS, KV_ROWS, dk, dv, itemsize) + 2 * KV_ROWS * 4)
+        shared_memory=_tiles_bytes(KV_KEYS, 2 * KV_ROWS, dk, dv, itemsize) + 4 * KV_ROWS * 4)
     return dq, dkv
 
 
@@ -316,12 +395,23 @@ def dq_and_lse(q: mx.array, k: mx.array, v: mx.array, dout: mx.array, delta: mx.
 
 def dk_and_dv(q: mx.array, k: mx.array, v: mx.array, dout: mx.array, delta: mx.array, lse: mx.array,
               scale: mx.array, causal: bool) -> tuple[mx.array, mx.array]:
-    """The dK/dV kernel, as `dq_and_lse` takes its arguments, given its `lse`."""
+    """The dK/dV kernel, as `dq_and_lse` takes its arguments, given its `lse`: one thread block per key block and
+    query head (float32 shares), a key head's shares then summed in head order."""
     b, kvh, keys, dk = k.shape
-    return _kernels(dk, v.shape[-1], q.dtype.size)[1](
+    h = q.shape[1]
+    parts = _kernels(dk, v.shape[-1], q.dtype.size)[1](
         inputs=[q, k, v, dout, delta, lse, scale], template=_template(q.dtype, dk, v.shape[-1], causal),
-        grid=(-(-keys // KV_KEYS) * THREADS, kvh, b), threadgroup=(THREADS, 1, 1),
-        output_shapes=[k.shape, v.shape], output_dtypes=[k.dtype, v.dtype])
+        grid=(-(-keys // KV_KEYS) * THREADS, h, b), threadgroup=(THREADS, 1, 1),
+        output_shapes=[(b, h, keys, dk), (b, h, keys, v.shape[-1])], output_dtypes=[mx.float32, mx.float32])
+
+    def summed(x: mx.array, dtype: mx.Dtype) -> mx.array:
+        x = x.reshape(b, kvh, h // kvh, *x.shape[2:])
+        total = x[:, :, 0]
+        for i in range(1, x.shape[2]):
+            total = total + x[:, :, i]
+        return total.astype(dtype)
+
+    return summed(parts[0], k.dtype), summed(parts[1], v.dtype)
 
 
 def flash_backward(q: mx.array, k: mx.array, v: mx.array, scale: float, causal: bool, cotangent: mx.array,

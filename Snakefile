@@ -29,6 +29,7 @@ rule all:
 include: "workflow/rules/data.smk"
 include: "workflow/rules/curate.smk"
 include: "workflow/rules/base.smk"
+include: "workflow/rules/quantize.smk"
 include: "workflow/rules/render.smk"
 include: "workflow/rules/train.smk"
 include: "workflow/rules/replay.smk"

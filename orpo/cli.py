@@ -42,6 +42,7 @@ CHECKED = {
     "data": [("settings", "--settings", "data", ())],
     "curate": [("settings", "--settings", "curate", ())],
     "base": [("settings", "--settings", "base", ())],
+    "quantize": [("settings", "--settings", "quantize", ())],
     "render": [("settings", "--settings", "render", ())],
     "train": [("settings", "--settings", "train", ())],
     "generate": [("settings", "--settings", "generate", ()),
@@ -57,7 +58,7 @@ CHECKED = {
 # The sections whose stage reads typed settings: the class `check_settings` builds from the checked mapping;
 # a section checked less some keys may have a class of its own (generation's part of render).
 TYPED = {"train": "orpo.train.settings:TrainSettings", "curate": "orpo.curate.settings:CurateSettings",
-         "base": "orpo.base.model:BaseSettings", "generate": "orpo.eval.generate:GenerateSettings",
+         "base": "orpo.base.model:BaseSettings", "quantize": "orpo.base.quantize:QuantizeSettings", "generate": "orpo.eval.generate:GenerateSettings",
          "spin": "orpo.spin.settings:SpinSettings", "judge": "orpo.eval.judge.settings:JudgeSettings",
          "render": "orpo.render.settings:RenderSettings",
          ("render", RENDER_STAGE_KEYS): "orpo.render.settings:PromptSettings"}
@@ -118,6 +119,12 @@ def cmd_base(a: argparse.Namespace) -> Any:
     from orpo.base.model import build_base
 
     return build_base(a.raw, a.out, a.settings, a.on_error)
+
+
+def cmd_quantize(a: argparse.Namespace) -> Any:
+    from orpo.base.quantize import quantize
+
+    return quantize(a.model, a.out, a.settings)
 
 
 def cmd_render(a: argparse.Namespace) -> Any:
@@ -359,6 +366,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--raw", required=True, help="raw rows: a .jsonl/.json/.parquet file, a folder of them or a hub id")
     p.add_argument("--on-error", choices=["raise", "skip"], default="raise",
                    help="a malformed row: stop naming it, or skip and count it (the workflow passes curate.on_error)")
+    p.add_argument("--out", required=True)
+
+    p = stage("quantize", cmd_quantize, "quantize a model folder or hub id's weights (LoRA on a quantized base: "
+              "QLoRA); settings: the config's quantize section")
+    p.add_argument("--model", required=True)
     p.add_argument("--out", required=True)
 
     p = stage("render", cmd_render, "render pairs through the chat template into token ids")

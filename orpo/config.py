@@ -232,6 +232,9 @@ def validate_config(config: dict[str, Any], base_dir: str | os.PathLike | None =
             if value in ("best_margin", "best_loss"):
                 raise ConfigError(f"config error: {key}: {value} is chosen by validation, and "
                                   "curate.validation_fraction is 0 (no validation pairs): use final or a step number")
+    if config["quantize"]["bits"] is not None and config["train"]["method"] == "full":
+        raise ConfigError("config error: quantize.bits: a quantized base trains only its LoRA adapters, and "
+                          "train.method is full; set quantize.bits: null or train.method: lora")
     if config["render"]["max_prompt_length"] >= config["render"]["max_length"]:
         raise ConfigError("config error: render.max_prompt_length must be smaller than render.max_length")
     return config

@@ -6,7 +6,7 @@ with its overrides merged in (and each `grid` combination on top), and
 
 - per-experiment stages (train, replay, generate_orpo, ifeval, judge, spin, plots) write under
   `results/<experiment>/`;
-- shared stages (data, base, curate, render, generate_base, judge_prompts) write under
+- shared stages (data, base, quantize, curate, render, generate_base, judge_prompts) write under
   `results/shared/<key>/`, where the key hashes the stage's own settings and the keys of the stages it
   reads. Experiments whose settings agree up to a stage get the same path, so Snakemake builds it once;
   a change upstream gives a new key (a new folder), never a clash.
@@ -28,7 +28,7 @@ from orpo.config import ConfigError, validate_config
 from orpo.hub import is_hub_dataset
 
 SETS = ("ifeval", "judge")
-SHARED_STAGES = ("data", "base", "curate", "render", "judge_prompts", "generate_base_ifeval", "generate_base_judge")
+SHARED_STAGES = ("data", "base", "quantize", "curate", "render", "judge_prompts", "generate_base_ifeval", "generate_base_judge")
 RESERVED = ("shared", "paper")
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 KEY_CHARS = 10
@@ -112,6 +112,8 @@ def stage_keys(cfg: dict[str, Any]) -> dict[str, str]:
     raw = cfg["data"]["raw"] or keys["data"]
     keys["base"] = _key("base", {"base": cfg["base"], "raw": raw})
     model = cfg["model"]["path"] or cfg["model"]["hub_id"] or keys["base"]
+    keys["quantize"] = _key("quantize", {"quantize": cfg["quantize"], "model": model})
+    weights = keys["quantize"] if cfg["quantize"]["bits"] is not None else model  # what generation loads
     keys["curate"] = _key("curate", {"curate": cfg["curate"], "raw": raw, "model": model,
                                      "eval_prompts": cfg["eval"]["prompts"]})
     keys["render"] = _key("render", {"render": cfg["render"], "curated": keys["curate"], "model": model})
@@ -122,7 +124,7 @@ def stage_keys(cfg: dict[str, Any]) -> dict[str, str]:
         prompts, limit = ((cfg["eval"]["prompts"], cfg["eval"]["limit"]) if name == "ifeval"
                           else (keys["judge_prompts"], judge["limit"]))
         keys[f"generate_base_{name}"] = _key(f"generate_base_{name}", {
-            "generate": cfg["generate"], "render": prompt_rendering(cfg), "model": model,
+            "generate": cfg["generate"], "render": prompt_rendering(cfg), "model": weights,
             "dtype": cfg["model"]["dtype"], "prompts": prompts, "limit": limit})
     return keys
 
@@ -190,19 +192,34 @@ class Layout:
         model = self.configs[name]["model"]
         return not (model["path"] or model["hub_id"])
 
-    def model_ref(self, name: str) -> str:
-        """The base model as the `orpo` commands take it: a folder or a hub id."""
+    def source_ref(self, name: str) -> str:
+        """The base model as given (its tokenizer and template are what curate and render read): a folder or a
+        hub id."""
         model = self.configs[name]["model"]
         if self.embedded_model(name):
             return f"results/{self.up(name, 'base')}base/model"
         return model["path"] or model["hub_id"]
 
-    def model_input(self, name: str) -> list[str]:
+    def source_input(self, name: str) -> list[str]:
         """The base model as a Snakemake input: the base stage's marker, the user's folder, none for a hub id."""
         model = self.configs[name]["model"]
         if self.embedded_model(name):
-            return [marker(self.model_ref(name))]
-        return [] if model["hub_id"] and not model["path"] else [self.model_ref(name)]
+            return [marker(self.source_ref(name))]
+        return [] if model["hub_id"] and not model["path"] else [self.source_ref(name)]
+
+    def quantized(self, name: str) -> bool:
+        """True when the quantize stage writes the weights every model-loading stage reads."""
+        return self.configs[name]["quantize"]["bits"] is not None
+
+    def model_ref(self, name: str) -> str:
+        """The weights train, replay, generate and spin load: the quantize stage's folder, else the source."""
+        if self.quantized(name):
+            return f"results/{self.up(name, 'quantize')}quantized/model"
+        return self.source_ref(name)
+
+    def model_input(self, name: str) -> list[str]:
+        """`model_ref` as a Snakemake input."""
+        return [marker(self.model_ref(name))] if self.quantized(name) else self.source_input(name)
 
     def curated(self, name: str) -> str:
         """The curate stage's folder (train/validation pairs and manifest)."""
@@ -240,6 +257,8 @@ class Layout:
             out["data"] = f"benchmarks/{self.up(name, 'data')}data.tsv"
         if self.embedded_model(name):
             out["base"] = f"benchmarks/{self.up(name, 'base')}base.tsv"
+        if self.quantized(name):
+            out["quantize"] = f"benchmarks/{self.up(name, 'quantize')}quantize.tsv"
         out["curate"] = f"benchmarks/{self.up(name, 'curate')}curate.tsv"
         out["render"] = f"benchmarks/{self.up(name, 'render')}render.tsv"
         for rule in ("train", "replay"):

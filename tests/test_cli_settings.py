@@ -46,6 +46,7 @@ COMMANDS = {  # the arguments each command needs besides its settings
     "data": ["data", "rows", "--out", "o"],
     "curate": ["curate", "--inputs", "i", "--out", "o"],
     "base": ["base", "--raw", "r", "--out", "o"],
+    "quantize": ["quantize", "--model", "m", "--out", "o"],
     "render": ["render", "--model", "m", "--curated", "c", "--out", "o"],
     "train": ["train", "--model", "m", "--rendered", "r", "--out", "o"],
     "generate": ["generate", "--model", "m", "--prompts", "p", "--out", "o"],
@@ -62,7 +63,8 @@ def rule_settings(config):
     render = prompt_rendering(config)
     return {
         "data": {"--settings": config["data"]}, "curate": {"--settings": config["curate"]},
-        "base": {"--settings": config["base"]}, "render": {"--settings": config["render"]},
+        "base": {"--settings": config["base"]}, "quantize": {"--settings": config["quantize"]},
+        "render": {"--settings": config["render"]},
         "train": {"--settings": {**config["train"], "init_adapter": "results/spin/iter1/run"}},
         "generate": {"--settings": config["generate"], "--render-settings": render},
         "spin": {"--settings": spin, "--render-settings": render},

@@ -18,6 +18,7 @@ from mlx.utils import tree_flatten, tree_map
 from test_engine_stack import random_pairs, tiny_model, with_unshared_pair
 
 from conftest import MATMUL_TOL, shortest_pairs
+from orpo.base.quantize import QuantizeSettings, quantize_in_memory
 from orpo.engine.embedding import with_summed_embeddings
 from orpo.engine.head import response_mean_logps
 from orpo.train.data import pair_batch
@@ -70,9 +71,13 @@ ENGINES = {name: resolved({**PLAIN, **e}) for name, e in {
 }.items()}
 
 
-def lora_model(family: str, dropout: float = 0.0, num_layers: int = -1):
-    """A 3-layer tiny model with LoRA on attention and MLP; B non-zero so every LoRA weight gets a gradient."""
+def lora_model(family: str, dropout: float = 0.0, num_layers: int = -1, quantize: QuantizeSettings | None = None):
+    """A 3-layer tiny model (its weights quantized first with `quantize`) with LoRA on attention and MLP; B non-zero
+    so every LoRA weight gets a gradient."""
     model = tiny_model(family, num_hidden_layers=3)
+    if quantize:
+        model, _ = quantize_in_memory(model, {}, quantize)
+        model.freeze()
     keys = DropoutKeys(7)
     lora = lora_settings({"rank": 4, "alpha": 8, "num_layers": num_layers, "dropout": dropout,
                           "target_modules": ["q_proj", "v_proj", "o_proj", "down_proj"]})

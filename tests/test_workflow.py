@@ -172,6 +172,8 @@ def test_spin_iteration_runs_in_the_dag_and_its_pairs_train(workflow_run):
         ("eval", "limit", 5, {"generate_base", "generate_orpo", "ifeval"}),
         # Every stage that loads the model for computation takes model.dtype.
         ("model", "dtype", "float32", {"train", "replay", "generate_base", "generate_orpo", "ifeval"}),
+        # A quantized base: the weights change for every stage that loads them; the tokenizer does not.
+        ("quantize", "bits", 4, {"quantize", "train", "replay", "generate_base", "generate_orpo", "ifeval"}),
     ],
 )
 def test_one_knob_reruns_its_stage_and_what_follows_only(workflow_run, section, key, value, reruns):
@@ -182,6 +184,21 @@ def test_one_knob_reruns_its_stage_and_what_follows_only(workflow_run, section, 
         assert planned_rules(snakemake(workflow_run, "-n", "results/ifeval.json")) == reruns
     finally:
         (workflow_run / "micro.yaml").write_text(yaml.safe_dump(MICRO))
+
+
+def test_a_quantized_base_is_what_the_model_stages_load(tmp_path):
+    """quantize.bits: the quantize rule reads the base model; train, replay and both generations load its folder,
+    curate and render keep the source's tokenizer."""
+    (tmp_path / "micro.yaml").write_text(yaml.safe_dump({**MICRO, "quantize": {"bits": 4}}))
+    result = snakemake(tmp_path, "-n", "-p", "results/ifeval.json")
+    assert result.returncode == 0, result.stderr[-3000:]
+    text = result.stdout + result.stderr
+    assert job_counts(result)["quantize"] == 1
+    assert re.search(r"orpo quantize --model results/base/model --out results/quantized/model ", text)
+    for stage in ("train", "replay", "generate"):
+        assert re.search(rf"orpo {stage} [^\n]*--model results/quantized/model ", text), stage
+    for stage in ("render", "curate"):
+        assert not re.search(rf"orpo {stage} [^\n]*results/quantized", text), stage
 
 
 @pytest.mark.parametrize(

@@ -58,6 +58,7 @@ CODE = {
     "data": code_version("orpo.data.synth"),
     "curate": code_version("orpo.curate.core"),
     "base": code_version("orpo.base.model", dists=MLX),
+    "quantize": code_version("orpo.base.quantize", dists=MLX),
     "render": code_version("orpo.render.pairs"),
     "train": code_version("orpo.train.trainer", dists=MLX),
     "generate": code_version("orpo.eval.generate", dists=MLX),

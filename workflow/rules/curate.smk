@@ -2,14 +2,14 @@
 rule curate:
     input:
         raw=shared(L.raw_input),
-        model=shared(L.model_input),
+        model=shared(L.source_input),
         eval_prompts=shared(lambda n: L.config(n)["eval"]["prompts"]),
     output:
         marker("results/{up}curated"),
     params:
         out=lambda wildcards, output: folder(output[0]),
         raw=shared(L.raw),
-        model=shared(L.model_ref),
+        model=shared(L.source_ref),
         settings=shared(lambda n: section(n, "curate")),
         code=CODE["curate"],
     log:

@@ -1,13 +1,13 @@
 rule render:
     input:
         curated=shared(lambda n: marker(L.curated(n))),
-        model=shared(L.model_input),
+        model=shared(L.source_input),
     output:
         marker("results/{up}rendered"),
     params:
         curated=lambda wildcards, input: folder(input.curated),
         out=lambda wildcards, output: folder(output[0]),
-        model=shared(L.model_ref),
+        model=shared(L.source_ref),
         settings=shared(lambda n: section(n, "render")),
         code=CODE["render"],
     log:

@@ -41,11 +41,11 @@ rule spin_pairs:
 use rule render as spin_render with:
     input:
         curated=marker("results/{exp}spin/iter{k}/pairs"),
-        model=per_exp(L.model_input),
+        model=per_exp(L.source_input),
     output:
         marker("results/{exp}spin/iter{k}/rendered"),
     params:
-        model=per_exp(L.model_ref),
+        model=per_exp(L.source_ref),
         settings=per_exp(lambda n: section(n, "render")),
     log:
         "logs/{exp}spin_render_iter{k}.log",

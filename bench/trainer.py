@@ -337,6 +337,8 @@ def main() -> None:
     ap.add_argument("--json", help="write the results here")
     ap.add_argument("--new-shapes", type=int, default=0, metavar="N",
                     help="also time what the ultrafeedback epoch's first N new shapes cost (first vs second step)")
+    ap.add_argument("--quantize", type=int, choices=[2, 3, 4, 5, 6, 8],
+                    help="train LoRA on the model folder quantized by `orpo quantize` (QLoRA; groups of 64)")
     ap.add_argument("--profile-child", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.profile_child:
@@ -352,6 +354,10 @@ def main() -> None:
     reexec_with_openblas([], sys.argv)
     shape = GEOMETRIES[a.geometry] if not a.dtype else replace(GEOMETRIES[a.geometry], dtype=a.dtype)
     gpu = GEOMETRIES[a.geometry].dtype == "bfloat16"
+    if a.quantize and a.method == "full":
+        sys.exit("--quantize trains LoRA on the quantized base; --method full refuses a quantized model")
+    if a.quantize:
+        a.no_engine_bench = True  # bench/engine.py's cases say `bits` themselves (its h200-7b suite)
     if a.method == "full":
         if a.profile or a.new_shapes:
             sys.exit("--profile and --new-shapes time LoRA's step; run them with --method lora")
@@ -371,6 +377,11 @@ def main() -> None:
         t0 = time.perf_counter()
         write_model(shape, model, 0)
         print(f"model folder written in {time.perf_counter() - t0:.0f} s", flush=True)
+    if a.quantize:
+        source, model = model, work / f"model-q{a.quantize}"
+        if not (model / "complete.json").exists():
+            subprocess.run([sys.executable, "-m", "orpo.cli", "quantize", "--model", str(source), "--out", str(model),
+                            "--settings", json.dumps({"bits": a.quantize, "group_size": 64})], check=True, cwd=ROOT)
     draw = ultrafeedback_lengths(n_pairs, 1)
     mean = tuple(round(sum(x[i] for x in draw) / len(draw)) for i in range(3))
     mean_steps = min(len(draw) // 32, max(8, steps // 4))
@@ -380,7 +391,8 @@ def main() -> None:
         "ultrafeedback": (draw, 4, 8, 0),
         "mean": ([mean] * (32 * mean_steps + 8), 4, 8, mean_steps),
     }
-    results: dict[str, Any] = {"bench": "trainer", "geometry": a.geometry, "method": a.method, "shape": shape.__dict__,
+    results: dict[str, Any] = {"bench": "trainer", "geometry": a.geometry, "method": a.method, "quantize": a.quantize,
+                               "shape": shape.__dict__,
                                "environment": env,
                                "ultrafeedback": {"spec": ULTRAFEEDBACK, "sigma": SIGMA, "pairs": n_pairs, "mean": mean},
                                "engine_overrides": engine, "cases": {}}

@@ -128,3 +128,23 @@ def test_lora_on_a_quantized_base_equals_the_naive_path(engine):
 def test_a_quantized_base_refuses_full_parameter_training():
     with pytest.raises(ConfigError, match="quantize.bits: a quantized base trains only its LoRA adapters"):
         validate_config({"quantize": {"bits": 4}, "train": {"method": "full"}})
+
+
+@pytest.mark.parametrize("mode, bits, group_size, bias", [("affine", 4, 32, True), ("affine", 8, 64, False),
+                                                         ("mxfp4", 4, 32, False)])
+def test_a_frozen_quantized_linear_is_its_dequantized_weight_times_x(mode, bits, group_size, bias):
+    """Training's matmul through a quantized layer (orpo.engine.quantized) against float64 numpy with the layer's
+    dequantized weight: output and the input's gradient."""
+    from orpo.engine.quantized import frozen_linear
+
+    mx.random.seed(3)
+    layer = nn.QuantizedLinear.from_linear(nn.Linear(128, 48, bias=bias), group_size=group_size, bits=bits, mode=mode)
+    x = mx.random.normal((2, 7, 128))
+    cot = mx.random.normal((2, 7, 48))
+    y, (dx,) = frozen_linear(layer, x), mx.vjp(lambda x: frozen_linear(layer, x), [x], [cot])[1]
+    w = np.array(mx.dequantize(layer.weight, layer.scales, layer.get("biases"), group_size, bits, mode=mode)
+                 .astype(mx.float32), dtype=np.float64)
+    want = np.array(x, dtype=np.float64) @ w.T + (np.array(layer.bias, dtype=np.float64) if bias else 0)
+    np.testing.assert_allclose(np.array(y), want, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.array(dx), np.array(cot, dtype=np.float64) @ w, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.array(y), np.array(layer(x)), rtol=1e-5, atol=1e-5)  # what the layer computes

@@ -17,6 +17,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
+from orpo.engine.quantized import frozen_linear
 from orpo.train.keys import INIT, DropoutKeys, derive_key, keyed_dropout
 from orpo.train.settings import LoraSettings
 
@@ -46,7 +47,7 @@ class LoRALinear(nn.Module):
         self.bypass = False  # adapters_off: the frozen linear alone (a reference model without a copy)
 
     def __call__(self, x: mx.array) -> mx.array:
-        y = self.linear(x)
+        y = frozen_linear(self.linear, x)
         if self.bypass:
             return y
         if self.training and self.p > 0:

@@ -58,7 +58,8 @@ CHECKED = {
 # The sections whose stage reads typed settings: the class `check_settings` builds from the checked mapping;
 # a section checked less some keys may have a class of its own (generation's part of render).
 TYPED = {"train": "orpo.train.settings:TrainSettings", "curate": "orpo.curate.settings:CurateSettings",
-         "base": "orpo.base.model:BaseSettings", "quantize": "orpo.base.quantize:QuantizeSettings", "generate": "orpo.eval.generate:GenerateSettings",
+         "base": "orpo.base.model:BaseSettings", "quantize": "orpo.base.quantize:QuantizeSettings",
+         "generate": "orpo.eval.generate:GenerateSettings",
          "spin": "orpo.spin.settings:SpinSettings", "judge": "orpo.eval.judge.settings:JudgeSettings",
          "render": "orpo.render.settings:RenderSettings",
          ("render", RENDER_STAGE_KEYS): "orpo.render.settings:PromptSettings"}

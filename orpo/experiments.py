@@ -28,7 +28,8 @@ from orpo.config import ConfigError, validate_config
 from orpo.hub import is_hub_dataset
 
 SETS = ("ifeval", "judge")
-SHARED_STAGES = ("data", "base", "quantize", "curate", "render", "judge_prompts", "generate_base_ifeval", "generate_base_judge")
+SHARED_STAGES = ("data", "base", "quantize", "curate", "render", "judge_prompts", "generate_base_ifeval",
+                 "generate_base_judge")
 RESERVED = ("shared", "paper")
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 KEY_CHARS = 10

@@ -67,7 +67,11 @@ def assert_mlx_lm_matches_ours(base: Path, run: Path, rendered: Path) -> None:
     tuned, _ = load(str(base), adapter_path=str(run))
     plain, _ = load(str(base))
     ours, theirs, before = (np.array(m(tokens)) for m in (sess.model, tuned, plain))
-    np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-6)
+    # A quantized base: training's linears dequantize and multiply (orpo.engine.quantized), mlx-lm's run its
+    # quantized matmul: the same products summed in another order (measured: 5.8e-6 on logits up to ~5).
+    quantized = any(isinstance(m, nn.QuantizedLinear) for _, m in plain.named_modules())
+    atol = 1e-5 * np.abs(theirs).max() if quantized else 1e-6
+    np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=atol)
     assert np.abs(theirs - before).max() > 1e-4
 
 

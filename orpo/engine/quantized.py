@@ -24,12 +24,15 @@ def _matmul(group_size: int, bits: int, mode: str) -> Callable:
 
     @mx.custom_function
     def matmul(x: mx.array, *packed: mx.array) -> mx.array:
-        return x @ weight(packed, x.dtype).T
+        return x @ weight(mx.depends(list(packed), [x]), x.dtype).T
 
     @matmul.vjp
     def matmul_vjp(primals, cotangent, output):
         x, *packed = primals
-        return (cotangent @ weight(packed, x.dtype), *(mx.zeros_like(p) for p in packed))
+        # tied to the cotangent: else the backward's dequantize runs (or is merged with the forward's) before it is
+        # needed, and every layer's float weight is alive at once
+        late = mx.depends(list(packed), [cotangent])
+        return (cotangent @ weight(late, x.dtype), *(mx.zeros_like(p) for p in packed))
 
     return matmul
 

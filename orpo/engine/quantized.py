@@ -24,13 +24,13 @@ def _matmul(group_size: int, bits: int, mode: str) -> Callable:
 
     @mx.custom_function
     def matmul(x: mx.array, *packed: mx.array) -> mx.array:
+        # each dequantize is tied to the value it multiplies: else the scheduler may run every layer's up front (or
+        # compile merges the backward's with the forward's) and all float weights are alive at once
         return x @ weight(mx.depends(list(packed), [x]), x.dtype).T
 
     @matmul.vjp
     def matmul_vjp(primals, cotangent, output):
         x, *packed = primals
-        # tied to the cotangent: else the backward's dequantize runs (or is merged with the forward's) before it is
-        # needed, and every layer's float weight is alive at once
         late = mx.depends(list(packed), [cotangent])
         return (cotangent @ weight(late, x.dtype), *(mx.zeros_like(p) for p in packed))
 

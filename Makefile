@@ -5,7 +5,8 @@ TARGET ?= summary
 WORKDIR ?= .
 REPORT ?= results/report.html
 SNAKEMAKE_ARGS ?=
-PYTEST_ARGS ?=
+# one worker per core; the workflow tests share their Snakemake runs on one of them
+PYTEST_ARGS ?= -n auto --dist loadgroup
 PY := $(VENV)/bin/python
 SNAKEMAKE := $(VENV)/bin/snakemake --profile workflow/profiles/default --directory $(WORKDIR)
 

@@ -17,6 +17,9 @@ import pytest
 import yaml
 from conftest import ROOT, TINY_BASE, TINY_TRAIN
 
+# one worker under pytest-xdist: these share the session's workflow runs
+pytestmark = pytest.mark.xdist_group("workflow")
+
 MICRO = {
     "data": {"rows": 120},
     "eval": {"limit": 6},

@@ -6,8 +6,12 @@ Each test works on a copy of the session's micro run (tests/test_workflow.py), s
 import json
 import shutil
 
+import pytest
 import yaml
 from test_workflow import MICRO, micro_workflow, planned_rules, session_repo, snakemake, workspace
+
+# one worker under pytest-xdist: these share the session's workflow runs
+pytestmark = pytest.mark.xdist_group("workflow")
 
 
 def copy_of_the_micro_run(tmp_path_factory, tmp_path):

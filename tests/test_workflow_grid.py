@@ -13,6 +13,9 @@ from test_workflow_paper import tiny_paper_workflow
 from orpo.config import ConfigError, validate_config
 from orpo.experiments import Layout, expand, stage_keys
 
+# one worker under pytest-xdist: these share the session's workflow runs
+pytestmark = pytest.mark.xdist_group("workflow")
+
 UPSTREAM = ("data", "base", "curate", "render", "generate_base_ifeval")
 
 

@@ -11,6 +11,9 @@ import yaml
 from conftest import ROOT, TINY_BASE
 from test_workflow import _SESSION, MICRO, job_counts, session_repo, snakemake, workspace
 
+# one worker under pytest-xdist: these share the session's workflow runs
+pytestmark = pytest.mark.xdist_group("workflow")
+
 PAPER = yaml.safe_load((ROOT / "config" / "paper" / "orpo-ifeval.yaml").read_text())
 COLUMNS = ("prompt_level_strict_acc", "prompt_level_loose_acc", "inst_level_strict_acc", "inst_level_loose_acc")
 KEYS = ("prompt_strict", "prompt_loose", "inst_strict", "inst_loose")

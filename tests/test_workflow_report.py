@@ -18,6 +18,9 @@ from test_workflow import MICRO, _REPO_OF, micro_workflow, session_repo, snakema
 
 from orpo.report import plots, sources, summary, tables
 
+# one worker under pytest-xdist: these share the session's workflow runs
+pytestmark = pytest.mark.xdist_group("workflow")
+
 FIGURES = ("training.png", "preference_accuracy.png", "ifeval_by_instruction.png", "benchmarks.png")
 TABLES = ("ifeval.html", "curation.html", "benchmarks.html")
 IFEVAL_RULES = ("data", "base", "curate", "render", "train", "replay", "generate_base_ifeval", "generate_orpo_ifeval",

@@ -16,6 +16,9 @@ from pathlib import Path
 import pytest
 from test_workflow import _REPO_OF, micro_workflow, planned_rules, snakemake
 
+# one worker under pytest-xdist: these share the session's workflow runs
+pytestmark = pytest.mark.xdist_group("workflow")
+
 TARGET = "results/ifeval.json"
 MARKER = "orpo-test-marker: the copy's edited IFEval scorer ran"
 

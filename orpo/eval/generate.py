@@ -57,11 +57,6 @@ def read_prompt_lines(path: str | Path, limit: int = 0) -> list[tuple[int, dict[
     return rows[:limit] if limit > 0 else rows
 
 
-def read_prompts(path: str | Path, limit: int = 0) -> list[dict[str, Any]]:
-    """Eval prompts (IFEval input format: at least `key` and `prompt`), in file order, checked as read_prompt_lines."""
-    return [row for _, row in read_prompt_lines(path, limit)]
-
-
 def _named(key: Any, lineno: int, tokens: int, budget: int | None = None) -> str:
     """One prompt as warnings and stats name it: key, line, prompt tokens (and the budget it was cut to)."""
     cut = f" -> {budget}" if budget is not None else ""

@@ -318,7 +318,7 @@ def test_a_prediction_past_the_device_is_a_warning():
 
     assert over_device({"peak": 1.0, "bytes": {"peak": GB}}) is None
     past = device_memory() + GB
-    assert "segment_layers" in over_device({"peak": past / GB, "bytes": {"peak": past}})
+    assert "segment_layers 2" in over_device({"peak": past / GB, "bytes": {"peak": past}, "segment_layers": 2})
 
 
 @pytest.mark.parametrize("start", ["zero", "previous"])

@@ -232,3 +232,31 @@ def test_cache_policy_holds_the_memory_limit_at_the_ceiling_and_restores_both():
         assert mx.set_cache_limit(cache_before) == 12345
     finally:
         mx.set_memory_limit(before)
+
+
+def test_auto_segments_are_planned_to_the_budget_and_the_run_keeps_the_plan(tiny_base, tiny_rendered, tmp_path):
+    from orpo.train.footprint import GB, predict_memory
+    from orpo.train.settings import recorded_run
+
+    settings = {"batch_size": 4, "max_steps": 2, "lora": LORA}
+    ample = build_session(tiny_base, tiny_rendered, train_settings(settings))
+    assert ample.engine.segment_layers == 0 and ample.plan["segment_layers"] == 0  # it fits: no recompute
+    layers = ample.model.args.num_hidden_layers
+    peaks = {k: predict_memory(ample, k)["bytes"]["peak"] for k in range(layers // 2 + 1)}
+    assert layers >= 2 and all(peaks[0] > peaks[k] for k in peaks if k)  # segments keep fewer activations
+    # A budget the plain backward's prediction passes: the most layers per segment that fit.
+    budget = (peaks[0] + max(p for k, p in peaks.items() if k)) / 2
+    want = max(k for k, p in peaks.items() if k and p <= budget)
+    engine = {"memory_limit_gb": budget / GB}
+    tight = build_session(tiny_base, tiny_rendered, train_settings({**settings, "engine": engine}))
+    assert tight.engine.segment_layers == want and tight.plan["budget_gb"] == pytest.approx(budget / GB, abs=1e-6)
+    # Under a budget nothing fits, the least predicted peak.
+    least = min(peaks, key=peaks.get)
+    starved = build_session(tiny_base, tiny_rendered, train_settings({**settings, "engine": {"memory_limit_gb": 1e-6}}))
+    assert starved.engine.segment_layers == least
+
+    index = train(tiny_base, tiny_rendered, tmp_path / "run", train_settings({**settings, "engine": engine}))
+    _, resolved, record = recorded_run(tmp_path / "run")
+    assert resolved.settings.engine.segment_layers == want and record["settings"]["engine"]["segment_layers"] == "auto"
+    predicted = index["run"]["memory_predicted"]
+    assert predicted["segment_layers"] == want and predicted["bytes"]["peak"] <= budget

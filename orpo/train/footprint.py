@@ -6,6 +6,7 @@ engine's settings and the data's longest pairs. index.json keeps it beside the m
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
@@ -15,8 +16,10 @@ from mlx.utils import tree_flatten
 from orpo.device import on_cuda
 from orpo.engine.head import chunk_for
 from orpo.optim import master_extra_bytes
-from orpo.train.data import pair_lengths, pair_tokens
-from orpo.train.memory import device_memory
+from orpo.train.data import Pairs, pair_tokens
+from orpo.train.memory import HEADROOM, device_memory
+from orpo.train.settings import EngineSettings
+from orpo.train.step import prepare
 from orpo.settings import as_dict
 
 GB = 1e9
@@ -76,30 +79,69 @@ def activation_bytes(args: Any, dtype: Any, rows: int, width: int, scored: int, 
     return int(stack + head)
 
 
-def predict_memory(sess: Any) -> dict[str, Any]:
-    """The session's predicted peak, in GB: weights + gradients + master weights + moments + activations (estimate),
-    a micro-batch taken at its widest (batch_size of the data's longest pairs, one row each with prefix sharing)."""
-    s, engine, pairs = sess.s, as_dict(sess.engine), sess.train
+def widest_micro_batch(pairs: Pairs, batch_size: int) -> Pairs:
+    """The `batch_size` pairs of the most tokens: at least as wide as any micro-batch the trainer cuts (it cuts
+    each step's pairs in order of length)."""
+    longest = sorted(range(len(pairs)), key=pair_tokens(pairs).__getitem__)[-batch_size:]
+    return pairs.select(longest)
+
+
+def micro_batch_extent(pairs: Pairs, engine: EngineSettings, tight: bool, nll_span: str = "response") -> tuple[int, int, int]:
+    """(rows, width, scored tokens) of the forward `pairs` make as one micro-batch: the rows the step builds
+    (shared, tight, split or two forwards; padded as the engine pads them)."""
+    batch = prepare(pairs, dataclasses.replace(engine, segment_layers=0), tight, nll_span)
+    if batch.packed is not None:
+        rows, width = batch.packed.layout.tokens.shape
+        return rows, width, int(batch.packed.targets.shape[0])
+    rows, width = batch.plain[0].shape
+    return rows, width - 1, rows * (width - 1)
+
+
+def predict_memory(sess: Any, segment_layers: int | None = None) -> dict[str, Any]:
+    """The session's predicted peak, in GB: weights + gradients + master weights + moments + activations (estimate)
+    of its widest micro-batch; `segment_layers` in place of the session's where given (the planner's candidates)."""
+    s, pairs = sess.s, sess.train
+    e = sess.engine if segment_layers is None else dataclasses.replace(sess.engine, segment_layers=segment_layers)
+    seg = int(e.segment_layers)
     # Accumulating, the running sums beside a micro-batch's gradients (a segment's where the segmented backward
     # adds them in as it goes); data parallel, the all-reduced copy.
     beside = 0.0
     if s.grad_accum > 1:
         layers = max(1, getattr(sess.model.args, "num_hidden_layers", 1))
-        beside = min(1.0, engine["segment_layers"] / layers) if engine["segment_layers"] else 1.0
+        beside = min(1.0, seg / layers) if seg else 1.0
     copies = 1 + beside + (sess.shard.size > 1)
     parts = parameter_bytes(sess.model, sess.opt.master_dtype, copies)
-    b = s.batch_size
-    rows, width = (b, max(pair_tokens(pairs))) if engine["prefix_sharing"] else (2 * b, max(pair_lengths(pairs)))
-    scored = b * max(len(c) + len(r) for c, r in zip(pairs.chosen, pairs.rejected))
+    rows, width, scored = micro_batch_extent(widest_micro_batch(pairs, s.batch_size), e, sess.resolved.tight_rows,
+                                             s.nll_span)
     norm = getattr(getattr(sess.model, "model", None), "norm", None)  # a float array even in a quantized model
     dtype = norm.weight.dtype if norm is not None and "weight" in norm else mx.float32
     head_trains = any(k.startswith(("lm_head.", "model.embed_tokens.")) for k, _ in
                       tree_flatten(sess.model.trainable_parameters()))
     if sess.reference is not None:  # dpo's frozen copy (full-parameter training)
         parts["reference"] = sum(v.nbytes for _, v in tree_flatten(sess.reference.parameters()))
-    parts["activations"] = activation_bytes(sess.model.args, dtype, rows, width, scored, engine, head_trains, on_cuda())
+    parts["activations"] = activation_bytes(sess.model.args, dtype, rows, width, scored, {**as_dict(e), "segment_layers": seg},
+                                            head_trains, on_cuda())
     parts["peak"] = sum(parts.values())
-    return {**{k: round(v / GB, 6) for k, v in parts.items()}, "bytes": parts, "rows": rows, "width": width}
+    return {**{k: round(v / GB, 6) for k, v in parts.items()}, "bytes": parts, "rows": rows, "width": width,
+            "segment_layers": seg}
+
+
+def memory_budget(engine: EngineSettings) -> int:
+    """Bytes a step may peak at: train.engine.memory_limit_gb where set, else the share of the device a run's
+    memory limit allows (orpo.train.memory.HEADROOM)."""
+    return int(engine.memory_limit_gb * GB) if engine.memory_limit_gb else int(HEADROOM * device_memory())
+
+
+def plan_segments(sess: Any) -> tuple[int, dict[str, Any]]:
+    """segment_layers for `auto`, with its prediction: 0 (the plain backward: no recompute) where its predicted peak
+    fits the budget, else the most layers per segment that fit (the recompute is one forward whatever the size;
+    fewer segments, fewer boundaries), else the size of the least predicted peak."""
+    layers = max(1, getattr(sess.model.args, "num_hidden_layers", 1))
+    budget = memory_budget(sess.engine)
+    tried = [predict_memory(sess, k) for k in [0, *range(max(1, layers // 2), 0, -1)]]
+    fits = [p for p in tried if p["bytes"]["peak"] <= budget]
+    best = fits[0] if fits else min(tried, key=lambda p: p["bytes"]["peak"])
+    return best["segment_layers"], {**best, "budget_gb": round(budget / GB, 6)}
 
 
 def over_device(predicted: dict[str, Any]) -> str | None:
@@ -107,5 +149,6 @@ def over_device(predicted: dict[str, Any]) -> str | None:
     device = device_memory()
     if predicted["bytes"]["peak"] <= device:
         return None
-    return (f"the predicted peak {predicted['peak']:.1f} GB passes the device's {device / GB:.1f} GB; a segmented "
-            "backward (train.engine.segment_layers: 1, mlp_chunks) keeps a layer's activations instead of all")
+    return (f"the predicted peak {predicted['peak']:.1f} GB passes the device's {device / GB:.1f} GB at "
+            f"train.engine.segment_layers {predicted['segment_layers']}; segments (auto: the least peak that fits), "
+            "mlp_chunks and a smaller batch_size (grad_accum keeps the step's pairs) take memory off")

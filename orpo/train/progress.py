@@ -64,8 +64,11 @@ class Progress:
             return f"resumed from step {record['resumed_from_step']}/{self.total} (its checkpoint)"
         if "predicted_memory_gb" in record:
             p = record["predicted_memory_gb"]
-            parts = ", ".join(f"{k} {v:.2f}" for k, v in p.items() if k != "peak" and isinstance(v, (int, float)))
-            return (f"predicted peak memory {p['peak']:.2f} GB ({parts})"
+            parts = ", ".join(f"{k} {v:.2f}" for k, v in p.items()
+                              if k not in ("peak", "rows", "width", "segment_layers", "budget_gb") and isinstance(v, (int, float)))
+            planned = f", auto under a budget of {p['budget_gb']:.2f} GB" if "budget_gb" in p else ""
+            return (f"predicted peak memory {p['peak']:.2f} GB ({parts}) at the widest micro-batch, {p['rows']} rows x "
+                    f"{p['width']}, segment_layers {p['segment_layers']}{planned}"
                     + (f"; warning: {record['warning']}" if record.get("warning") else ""))
         if "peak_memory_gb" in record:
             m = record["peak_memory_gb"]

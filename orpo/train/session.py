@@ -27,6 +27,7 @@ from orpo.settings import as_dict
 from orpo.train.accumulate import accumulate_grads
 from orpo.train.data import Pairs, load_pairs, pair_lengths, pair_tokens, scored_counts
 from orpo.train.distributed import BACKEND_ENV, Shard, join, shard_micro_batches
+from orpo.train.footprint import plan_segments
 from orpo.train.full import full_adamw, is_full, start_full
 from orpo.train.keys import DropoutKeys
 from orpo.train.lambdas import ConstantLambda, LambdaController, lambda_schedule
@@ -88,6 +89,7 @@ class Session:
     shard: Shard = field(default_factory=Shard)
     precision: Precision | None = None  # the dtype the model computes in (model.dtype), and why
     reference: nn.Module | None = None  # dpo's frozen starting weights in full-parameter training
+    plan: dict[str, Any] | None = None  # segment_layers auto: the prediction it was planned on
     # Distinct micro-batch shapes seen (each a compiled trace when the engine compiles).
     signatures: set = field(default_factory=set)
     _update: tuple[int, Callable] | None = field(default=None, repr=False)
@@ -224,7 +226,8 @@ def build_session(base_dir: str | Path, rendered_dir: str | Path, settings: Trai
     shard = join(settings.distributed)
     model_dir = resolve_model_dir(base_dir, weights=True)
     model, _, precision = load_model(model_dir, dtype, announce=shard.is_main)
-    if resolved is None:
+    planned = resolved is None
+    if planned:
         resolved = resolve_run(settings, model)
     s = resolved.settings
     keys = shard.dropout_keys(s.seed)
@@ -254,5 +257,11 @@ def build_session(base_dir: str | Path, rendered_dir: str | Path, settings: Trai
     rule = (s.schedule, s.lr, len(schedule), warmup_steps_for(len(schedule), s.warmup), s.weight_decay)
     opt = (full_adamw(*rule, s.bias_correction) if is_full(adapter_config)
            else lora_adamw(*rule, s.lora.plus_ratio, s.bias_correction))
-    return Session(resolved, model, opt, adapter_config, train, schedule, keys, init, shard, precision=precision,
+    sess = Session(resolved, model, opt, adapter_config, train, schedule, keys, init, shard, precision=precision,
                    reference=reference)
+    if planned and settings.engine.segment_layers == "auto":  # a recorded run keeps the plan it made
+        segments, sess.plan = plan_segments(sess)
+        engine = dataclasses.replace(s.engine, segment_layers=segments)
+        sess.resolved = dataclasses.replace(resolved, settings=dataclasses.replace(s, engine=engine))
+        adapter_config["orpo_train"] = as_dict(sess.s)
+    return sess

@@ -38,7 +38,7 @@ class EngineSettings:
 
     head: str
     head_chunk: int
-    segment_layers: int
+    segment_layers: int | str
     mlp_chunks: int
     prefix_sharing: bool | str
     prefix_attention: str
@@ -52,7 +52,7 @@ class EngineSettings:
     @property
     def resolved(self) -> bool:
         """Whether the machine's choices are made (no `auto` left that the step would have to decide)."""
-        return "auto" not in (self.prefix_sharing, self.compile, self.attention_backward)
+        return "auto" not in (self.prefix_sharing, self.compile, self.attention_backward, self.segment_layers)
 
     @property
     def input_multiple(self) -> int | None:

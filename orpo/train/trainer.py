@@ -129,7 +129,8 @@ def _train(sess: Session, record: dict[str, Any], rendered_dir: str | Path, out_
     progress = Progress(sess.total_steps, start, s.log_every)
     if resumed:
         progress.event({"resumed_from_step": start})
-    predicted = predict_memory(sess)  # printed before the first step; index.json's run.memory_predicted keeps it
+    # Printed before the first step; index.json's run.memory_predicted keeps it.
+    predicted = {**predict_memory(sess), **({"budget_gb": sess.plan["budget_gb"]} if sess.plan else {})}
     progress.event({"predicted_memory_gb": predicted, **({"warning": w} if (w := over_device(predicted)) else {})})
     val = load_pairs(Path(rendered_dir) / "validation.parquet")
     index = read_index(work)

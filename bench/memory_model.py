@@ -22,48 +22,32 @@ from typing import Any
 sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]
 
 import mlx.core as mx  # noqa: E402
-from mlx.utils import tree_flatten  # noqa: E402
 
 from engine import GB, LAMBDA, LORA, build_model, random_pairs  # noqa: E402
 from engine_shapes import CPU_SMALL, LLAMA_1B, MISTRAL_7B  # noqa: E402
 from orpo.config import section_defaults  # noqa: E402
-from orpo.device import on_cuda  # noqa: E402
-from orpo.train.footprint import activation_bytes, micro_batch_extent  # noqa: E402
+from orpo.train.footprint import measured_activations  # noqa: E402
 from orpo.train.lora import apply_lora  # noqa: E402
 from orpo.train.settings import engine_settings  # noqa: E402
-from orpo.train.step import pair_value_and_grad, resolve_engine, tight_rows_fit  # noqa: E402
-from orpo.settings import as_dict  # noqa: E402
+from orpo.train.step import resolve_engine  # noqa: E402
 
 GEOMETRIES = {"cpu-small": (CPU_SMALL, (2, 4)), "h200": (replace(LLAMA_1B, dtype="bfloat16"), (2, 4, 16)),
               "mistral-7b": (replace(MISTRAL_7B, dtype="bfloat16"), (2, 4, 32))}
 
 
 def measure(shape: Any, layers: int, method: str, engine: dict[str, Any], seed: int = 0) -> dict[str, Any]:
-    """One case: the step's memory above the resident arrays, the gradients' bytes, and the estimate."""
+    """One case: the step's memory above the resident arrays (its gradients' own taken off) and the estimate."""
     e = resolve_engine(engine_settings({**section_defaults("train")["engine"], **engine}))
     model = build_model(shape, seed, layers)
     if method == "lora":
         apply_lora(model, LORA, seed)
     model.train()
-    pairs = random_pairs(shape, seed)
-    step = lambda: pair_value_and_grad(model, pairs, LAMBDA, e)  # noqa: E731
-    mx.eval(step())  # the trace, compile and allocator warm-up
+    m = measured_activations(model, random_pairs(shape, seed), e, LAMBDA)
+    del model
     mx.clear_cache()
-    resident = mx.get_active_memory()
-    mx.reset_peak_memory()
-    (loss, _), grads = step()
-    mx.eval(loss, grads)
-    peak = mx.get_peak_memory()
-    grad_bytes = sum(v.nbytes for _, v in tree_flatten(grads))
-    rows, width, scored = micro_batch_extent(pairs, e, tight_rows_fit(model))
-    predicted = activation_bytes(model.args, getattr(mx, shape.dtype), rows, width, scored, as_dict(e),
-                                 method == "full", on_cuda())
-    measured = peak - resident - grad_bytes
-    del model, grads
-    mx.clear_cache()
-    return {"layers": layers, "method": method, "segment_layers": e.segment_layers, "rows": rows, "width": width,
-            "measured_gb": round(measured / GB, 4), "predicted_gb": round(predicted / GB, 4),
-            "predicted_over_measured": round(predicted / measured, 3), "loss": loss.item()}
+    return {"layers": layers, "method": method, "segment_layers": e.segment_layers, "rows": m["rows"],
+            "width": m["width"], "measured_gb": round(m["measured"] / GB, 4), "predicted_gb": round(m["predicted"] / GB, 4),
+            "predicted_over_measured": round(m["predicted"] / m["measured"], 3)}
 
 
 def main() -> None:

@@ -260,3 +260,28 @@ def test_auto_segments_are_planned_to_the_budget_and_the_run_keeps_the_plan(tiny
     assert resolved.settings.engine.segment_layers == want and record["settings"]["engine"]["segment_layers"] == "auto"
     predicted = index["run"]["memory_predicted"]
     assert predicted["segment_layers"] == want and predicted["bytes"]["peak"] <= budget
+
+
+@pytest.mark.parametrize("method,segment_layers", [("lora", 0), ("lora", 1), ("lora", 2), ("full", 0), ("full", 1)])
+def test_the_activation_estimate_bounds_the_measured_step(method, segment_layers):
+    """The planner's estimate against one measured step (peak above the resident arrays, gradients off): never
+    short of it (a plan that fits on paper fits), and within 2.5x (not so loose that it segments for nothing)."""
+    from orpo.train.footprint import measured_activations
+    from orpo.train.lora import apply_lora
+    from orpo.train.settings import engine_settings, lora_settings
+    from orpo.train.step import resolve_engine
+
+    mx.random.seed(0)
+    args = llama.ModelArgs(model_type="llama", hidden_size=128, num_hidden_layers=4, num_attention_heads=4,
+                           num_key_value_heads=2, intermediate_size=384, vocab_size=4096, rms_norm_eps=1e-5)
+    model = llama.Model(args)
+    if method == "lora":
+        apply_lora(model, lora_settings({"rank": 8}), 0)
+    model.train()
+    rng = np.random.default_rng(0)
+    tokens = lambda n: rng.integers(5, args.vocab_size, n).tolist()  # noqa: E731
+    from orpo.train.data import Pairs
+    pairs = Pairs([str(i) for i in range(4)], [tokens(96 + 8 * i) for i in range(4)], [tokens(128) for _ in range(4)],
+                  [tokens(112) for _ in range(4)], [[1] * 128] * 4, [[1] * 112] * 4)
+    m = measured_activations(model, pairs, resolve_engine(engine_settings({"segment_layers": segment_layers})))
+    assert m["measured"] <= m["predicted"] <= 2.5 * m["measured"], m

@@ -19,7 +19,7 @@ from orpo.optim import master_extra_bytes
 from orpo.train.data import Pairs, pair_tokens
 from orpo.train.memory import HEADROOM, device_memory
 from orpo.train.settings import EngineSettings
-from orpo.train.step import prepare
+from orpo.train.step import pair_value_and_grad, prepare, tight_rows_fit
 from orpo.settings import as_dict
 
 GB = 1e9
@@ -48,7 +48,7 @@ def activation_bytes(args: Any, dtype: Any, rows: int, width: int, scored: int, 
     A decoder layer keeps about 5 H + 2 q + 4 kv + 5 I values per token for its backward: all layers without
     segments, one segment's plus the boundaries with them (its MLP part divided among mlp_chunks). The head: the
     naive one's [tokens, V] logits in the model's dtype and twice in float32; the fused one's [chunk, V] float32
-    blocks, about 8 in flight in one graph and 2 chunk by chunk under segments (tests/test_engine_head.py), plus
+    blocks, about 8 in flight in one graph and 3 chunk by chunk under segments (tests/test_engine_head.py), plus
     a [V, H] float32 accumulator when it trains. Attention that is not fused (off CUDA) keeps float32
     [rows, heads, width, width] probabilities per layer (CPU, one pair of 3 x 1024: predicted 1.5 GB, measured 1.19).
     """
@@ -71,7 +71,7 @@ def activation_bytes(args: Any, dtype: Any, rows: int, width: int, scored: int, 
         stack = layers * (tokens * (attention + mlp) * size + scores)
     vocab = args.vocab_size
     if engine["head"] == "fused":
-        blocks = 2 if seg else 8
+        blocks = 3 if seg else 8
         chunk = min(chunk_for(vocab, int(engine["head_chunk"])), scored)
         head = blocks * chunk * vocab * 4 + (vocab * hidden * 4 if head_trains else 0)
     else:
@@ -124,6 +124,25 @@ def predict_memory(sess: Any, segment_layers: int | None = None) -> dict[str, An
     parts["peak"] = sum(parts.values())
     return {**{k: round(v / GB, 6) for k, v in parts.items()}, "bytes": parts, "rows": rows, "width": width,
             "segment_layers": seg}
+
+
+def measured_activations(model: Any, pairs: Pairs, engine: EngineSettings, lam: float = 0.1) -> dict[str, int]:
+    """One value_and_grad of `pairs` as one micro-batch, after a warm-up call: the bytes its peak took above the
+    arrays resident before it, less its gradients' own, beside `activation_bytes`' estimate for it."""
+    step = lambda: pair_value_and_grad(model, pairs, lam, engine)  # noqa: E731
+    mx.eval(step())  # the trace (compiled) and the allocator's warm-up
+    mx.clear_cache()
+    resident = mx.get_active_memory()
+    mx.reset_peak_memory()
+    (loss, _), grads = step()
+    mx.eval(loss, grads)
+    measured = mx.get_peak_memory() - resident - sum(v.nbytes for _, v in tree_flatten(grads))
+    rows, width, scored = micro_batch_extent(pairs, engine, tight_rows_fit(model))
+    head_trains = any(k.startswith(("lm_head.", "model.embed_tokens.")) for k, _ in
+                      tree_flatten(model.trainable_parameters()))
+    predicted = activation_bytes(model.args, model.model.norm.weight.dtype, rows, width, scored, as_dict(engine),
+                                 head_trains, on_cuda())
+    return {"measured": int(measured), "predicted": predicted, "rows": rows, "width": width}
 
 
 def memory_budget(engine: EngineSettings) -> int:

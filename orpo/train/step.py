@@ -32,9 +32,9 @@ from orpo.train.settings import EngineSettings
 # --- the settings ---
 
 
-def resolve_engine(engine: EngineSettings, segment_layers: int = 0) -> EngineSettings:
+def resolve_engine(engine: EngineSettings) -> EngineSettings:
     """`engine` with this machine's choices made for its `auto` values (once per run: the run records them);
-    `segment_layers` is what its `auto` becomes (the trainer plans it for its data: footprint.plan_segments)."""
+    segment_layers auto is 0 here, the trainer then plans it for its data (footprint.plan_segments)."""
     # compile: faster on CUDA (bench/README.md); on the CPU each new shape's first call pays a trace and a C++ build.
     # prefix_sharing: on everywhere, faster and smaller on the CPU and on CUDA (bench/README.md).
     # attention_backward: ordered where the fused backward sums with atomics (a GPU), so replay is bit-exact.
@@ -44,7 +44,7 @@ def resolve_engine(engine: EngineSettings, segment_layers: int = 0) -> EngineSet
         compile=on_cuda() if engine.compile == "auto" else engine.compile,
         prefix_sharing=True if engine.prefix_sharing == "auto" else engine.prefix_sharing,
         attention_backward=ordered if engine.attention_backward == "auto" else engine.attention_backward,
-        segment_layers=segment_layers if engine.segment_layers == "auto" else engine.segment_layers,
+        segment_layers=0 if engine.segment_layers == "auto" else engine.segment_layers,
         width_multiple=engine.width_multiple or (CUDA_ATTENTION_MULTIPLE if on_cuda() else 0))
 
 

@@ -23,8 +23,8 @@ from orpo.train.step import pair_value_and_grad, prepare, tight_rows_fit
 from orpo.settings import as_dict
 
 GB = 1e9
-# The compiled CUDA step kept 1.21-1.55x this estimate's activations (H200, 7B and 1B LoRA, bench/README.md):
-# planned on the larger, so a plan that fits on paper fits there.
+# The compiled CUDA step kept 1.55x (1B) and 1.19x (7B) of this estimate's activations, LoRA at 4 x 1536
+# (bench/runs/2026-12-05-h200: trainer-h200-fixed.json, engine-h200-7b.json): a plan on paper fits there too.
 CUDA_MARGIN = 1.6
 
 
@@ -100,33 +100,38 @@ def micro_batch_extent(pairs: Pairs, engine: EngineSettings, tight: bool, nll_sp
     return rows, width - 1, rows * (width - 1)
 
 
-def predict_memory(sess: Any, segment_layers: int | None = None) -> dict[str, Any]:
+def model_activations(model: Any, rows: int, width: int, scored: int, engine: EngineSettings) -> int:
+    """`activation_bytes` for `model` as it trains: its compute dtype, and whether its head trains."""
+    norm = getattr(getattr(model, "model", None), "norm", None)  # a float array even in a quantized model
+    dtype = norm.weight.dtype if norm is not None and "weight" in norm else mx.float32
+    head_trains = any(k.startswith(("lm_head.", "model.embed_tokens.")) for k, _ in
+                      tree_flatten(model.trainable_parameters()))
+    return activation_bytes(model.args, dtype, rows, width, scored, as_dict(engine), head_trains, on_cuda())
+
+
+def predict_memory(sess: Any, segment_layers: int | None = None,
+                   extent: tuple[int, int, int] | None = None) -> dict[str, Any]:
     """The session's predicted peak, in GB: weights + gradients + master weights + moments + activations (estimate)
-    of its widest micro-batch; `segment_layers` in place of the session's where given (the planner's candidates)."""
-    s, pairs = sess.s, sess.train
+    of its widest micro-batch (`extent`, its rows, width and scored tokens, where already known); `segment_layers`
+    in place of the session's where given (the planner's candidates)."""
+    s = sess.s
     e = sess.engine if segment_layers is None else dataclasses.replace(sess.engine, segment_layers=segment_layers)
-    seg = int(e.segment_layers)
     # Accumulating, the running sums beside a micro-batch's gradients (a segment's where the segmented backward
     # adds them in as it goes); data parallel, the all-reduced copy.
     beside = 0.0
     if s.grad_accum > 1:
         layers = max(1, getattr(sess.model.args, "num_hidden_layers", 1))
-        beside = min(1.0, seg / layers) if seg else 1.0
+        beside = min(1.0, e.segment_layers / layers) if e.segment_layers else 1.0
     copies = 1 + beside + (sess.shard.size > 1)
     parts = parameter_bytes(sess.model, sess.opt.master_dtype, copies)
-    rows, width, scored = micro_batch_extent(widest_micro_batch(pairs, s.batch_size), e, sess.resolved.tight_rows,
-                                             s.nll_span)
-    norm = getattr(getattr(sess.model, "model", None), "norm", None)  # a float array even in a quantized model
-    dtype = norm.weight.dtype if norm is not None and "weight" in norm else mx.float32
-    head_trains = any(k.startswith(("lm_head.", "model.embed_tokens.")) for k, _ in
-                      tree_flatten(sess.model.trainable_parameters()))
+    rows, width, scored = extent or micro_batch_extent(widest_micro_batch(sess.train, s.batch_size), e,
+                                                       sess.resolved.tight_rows, s.nll_span)
     if sess.reference is not None:  # dpo's frozen copy (full-parameter training)
         parts["reference"] = sum(v.nbytes for _, v in tree_flatten(sess.reference.parameters()))
-    parts["activations"] = activation_bytes(sess.model.args, dtype, rows, width, scored, {**as_dict(e), "segment_layers": seg},
-                                            head_trains, on_cuda())
+    parts["activations"] = model_activations(sess.model, rows, width, scored, e)
     parts["peak"] = sum(parts.values())
     return {**{k: round(v / GB, 6) for k, v in parts.items()}, "bytes": parts, "rows": rows, "width": width,
-            "segment_layers": seg}
+            "segment_layers": e.segment_layers}
 
 
 def measured_activations(model: Any, pairs: Pairs, engine: EngineSettings, lam: float = 0.1) -> dict[str, int]:
@@ -141,11 +146,8 @@ def measured_activations(model: Any, pairs: Pairs, engine: EngineSettings, lam: 
     mx.eval(loss, grads)
     measured = mx.get_peak_memory() - resident - sum(v.nbytes for _, v in tree_flatten(grads))
     rows, width, scored = micro_batch_extent(pairs, engine, tight_rows_fit(model))
-    head_trains = any(k.startswith(("lm_head.", "model.embed_tokens.")) for k, _ in
-                      tree_flatten(model.trainable_parameters()))
-    predicted = activation_bytes(model.args, model.model.norm.weight.dtype, rows, width, scored, as_dict(engine),
-                                 head_trains, on_cuda())
-    return {"measured": int(measured), "predicted": predicted, "rows": rows, "width": width}
+    return {"measured": int(measured), "predicted": model_activations(model, rows, width, scored, engine),
+            "rows": rows, "width": width}
 
 
 def memory_budget(engine: EngineSettings) -> int:
@@ -160,7 +162,10 @@ def plan_segments(sess: Any) -> tuple[int, dict[str, Any]]:
     fewer segments, fewer boundaries), else the size of the least predicted peak."""
     layers = max(1, getattr(sess.model.args, "num_hidden_layers", 1))
     budget = memory_budget(sess.engine)
-    tried = [predict_memory(sess, k) for k in [0, *range(max(1, layers // 2), 0, -1)]]
+    # The rows do not depend on the segments: built once for every candidate.
+    extent = micro_batch_extent(widest_micro_batch(sess.train, sess.s.batch_size), sess.engine,
+                                sess.resolved.tight_rows, sess.s.nll_span)
+    tried = [predict_memory(sess, k, extent) for k in [0, *range(max(1, layers // 2), 0, -1)]]
     fits = [p for p in tried if p["bytes"]["peak"] <= budget]
     best = fits[0] if fits else min(tried, key=lambda p: p["bytes"]["peak"])
     return best["segment_layers"], {**best, "budget_gb": round(budget / GB, 6)}

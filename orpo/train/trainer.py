@@ -130,7 +130,7 @@ def _train(sess: Session, record: dict[str, Any], rendered_dir: str | Path, out_
     if resumed:
         progress.event({"resumed_from_step": start})
     # Printed before the first step; index.json's run.memory_predicted keeps it.
-    predicted = {**predict_memory(sess), **({"budget_gb": sess.plan["budget_gb"]} if sess.plan else {})}
+    predicted = sess.plan or predict_memory(sess)  # the plan's prediction is the run's (its budget beside)
     progress.event({"predicted_memory_gb": predicted, **({"warning": w} if (w := over_device(predicted)) else {})})
     val = load_pairs(Path(rendered_dir) / "validation.parquet")
     index = read_index(work)

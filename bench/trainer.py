@@ -134,6 +134,7 @@ def steady(lines: list[dict[str, Any]], skip: int) -> dict[str, Any]:
             "peak_gb": max(x["peak_memory_mb"] for x in train) * 2**20 / GB,
             "cache_gb": max(x["cache_memory_mb"] for x in train) * 2**20 / GB,
             "active_plus_cache_gb": max(x["active_memory_mb"] + x["cache_memory_mb"] for x in train) * 2**20 / GB,
+            "segmented_micro_batches": sum(x.get("segmented", 0) for x in train),
             "loss_first": train[0]["loss"], "loss_last": train[-1]["loss"]}
 
 
@@ -161,7 +162,7 @@ def run_train(model: Path, rendered: Path, out: Path, settings: dict[str, Any], 
     metrics = folder / "metrics.jsonl"
     lines = [json.loads(x) for x in metrics.read_text().splitlines() if x.strip()] if metrics.exists() else []
     train = [x for x in lines if x.get("split") == "train"]
-    series = {k: [x[k] for x in train] for k in ("elapsed_s", "new_shapes", "positions", "row_tokens",
+    series = {k: [x[k] for x in train] for k in ("elapsed_s", "new_shapes", "segmented", "positions", "row_tokens",
                                                  "active_memory_mb", "cache_memory_mb", "peak_memory_mb")
               if train and k in train[0]}
     result: dict[str, Any] = {"wall_s": wall, "series": series}
@@ -330,6 +331,8 @@ def main() -> None:
                          "(auto: on a GPU, where a first run on a fresh H200 took 173-187 s against 27 s once cached)")
     ap.add_argument("--skip", type=int, default=3, help="first steps left out of the steady numbers")
     ap.add_argument("--engine", default="{}", help="train.engine overrides as JSON (default: the product's defaults)")
+    ap.add_argument("--paired-engine", help="train.engine overrides (JSON, over --engine) of a second run of each case, "
+                    "right after the first, on the same model folder and data")
     ap.add_argument("--no-engine-bench", action="store_true", help="skip bench/engine.py's step beside the cases")
     ap.add_argument("--profile", type=int, default=0, metavar="STEPS", help="also time the step's phases over STEPS steps")
     ap.add_argument("--timeout", type=int, default=600, help="seconds per orpo train run")
@@ -414,6 +417,11 @@ def main() -> None:
                         a.timeout, skip)
         if warmup is not None:
             res["warmup_wall_s"] = warmup["wall_s"]
+        if a.paired_engine:
+            paired = {**engine, **json.loads(a.paired_engine)}
+            res["paired"] = {"engine_overrides": paired, **run_train(
+                model, rendered, work / f"run-{name}-paired", settings_for(batch, accum, max_steps, paired, a.method),
+                a.timeout, skip)}
         p, c, r = (sum(x[i] for x in lengths) / len(lengths) for i in range(3))
         res["mean_lengths"] = [round(p, 1), round(c, 1), round(r, 1)]
         res["batch"], res["grad_accum"] = batch, accum
@@ -429,6 +437,10 @@ def main() -> None:
                                f"peak {res['peak_gb']:.2f} GB" if "step_s" in res else "")
               + (f" (predicted {predicted:.2f} GB)" if predicted else "")
               + (f" ({res['failed']})" if "failed" in res else ""), flush=True)
+        if "step_s" in res.get("paired", {}):
+            q = res["paired"]
+            print(f"  {name} paired {json.dumps(q['engine_overrides'])}: {q['step_s']:.3f} s/step, peak {q['peak_gb']:.2f} GB "
+                  f"(this/paired tokens/s {res.get('tokens_per_s', 0) / q['tokens_per_s']:.3f})", flush=True)
         save()
     if a.profile:
         rendered = work / "rendered-fixed"

@@ -285,3 +285,29 @@ def test_the_activation_estimate_bounds_the_measured_step(method, segment_layers
                   [tokens(112) for _ in range(4)], [[1] * 128] * 4, [[1] * 112] * 4)
     m = measured_activations(model, pairs, resolve_engine(engine_settings({"segment_layers": segment_layers})))
     assert m["measured"] <= m["predicted"] <= 2.5 * m["measured"], m
+
+
+def test_a_planned_run_recomputes_only_the_micro_batches_the_plain_backward_does_not_fit(tiny_base, tiny_rendered,
+                                                                                          tmp_path):
+    """Under a budget the plain backward fits only up to a narrower micro-batch than the widest, auto plans
+    segments and the threshold between: each step's micro-batch is recomputed exactly when it is at least that
+    wide, and both kinds run."""
+    from orpo.train.footprint import GB, micro_batch_extent, predict_memory, widest_micro_batch
+
+    settings = {"batch_size": 4, "max_steps": 12, "log_every": 1, "lora": LORA}
+    ample = build_session(tiny_base, tiny_rendered, train_settings(settings))
+    rows, width, scored = micro_batch_extent(widest_micro_batch(ample.train, 4), ample.engine, ample.resolved.tight_rows)
+    narrow = width * 5 // 8
+    budget = predict_memory(ample, 0, (rows, narrow, scored * narrow // width))["bytes"]["peak"]
+    assert predict_memory(ample, 1)["bytes"]["peak"] <= budget < predict_memory(ample, 0)["bytes"]["peak"]
+    engine = {"memory_limit_gb": budget / GB}
+    planned = build_session(tiny_base, tiny_rendered, train_settings({**settings, "engine": engine}))
+    least = rows * narrow + 1  # the activations grow with the width: the bisection stops at `narrow`
+    assert planned.engine.segment_layers >= 1 and planned.engine.segment_min_positions == least
+    assert planned.plan["bytes"]["peak"] <= budget
+
+    train(tiny_base, tiny_rendered, tmp_path / "run", train_settings({**settings, "engine": engine}))
+    steps = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    steps = [m for m in steps if "segmented" in m]
+    assert len(steps) == 12 and all(m["segmented"] == (m["positions"] >= least) for m in steps), steps
+    assert {m["segmented"] for m in steps} == {0, 1}

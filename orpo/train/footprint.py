@@ -112,10 +112,12 @@ def model_activations(model: Any, rows: int, width: int, scored: int, engine: En
 def predict_memory(sess: Any, segment_layers: int | None = None,
                    extent: tuple[int, int, int] | None = None) -> dict[str, Any]:
     """The session's predicted peak, in GB: weights + gradients + master weights + moments + activations (estimate)
-    of its widest micro-batch (`extent`, its rows, width and scored tokens, where already known); `segment_layers`
-    in place of the session's where given (the planner's candidates)."""
+    of its widest micro-batch (`extent`: rows, width and scored tokens of that or another micro-batch); the
+    backward the session takes for it, or `segment_layers` in place of the session's (the planner's candidates)."""
     s = sess.s
-    e = sess.engine if segment_layers is None else dataclasses.replace(sess.engine, segment_layers=segment_layers)
+    e = sess.engine
+    if segment_layers is not None:
+        e = dataclasses.replace(e, segment_layers=segment_layers, segment_min_positions=0)
     # Accumulating, the running sums beside a micro-batch's gradients (a segment's where the segmented backward
     # adds them in as it goes); data parallel, the all-reduced copy.
     beside = 0.0
@@ -126,12 +128,14 @@ def predict_memory(sess: Any, segment_layers: int | None = None,
     parts = parameter_bytes(sess.model, sess.opt.master_dtype, copies)
     rows, width, scored = extent or micro_batch_extent(widest_micro_batch(sess.train, s.batch_size), e,
                                                        sess.resolved.tight_rows, s.nll_span)
+    backward = dataclasses.replace(e, segment_layers=e.segments_for(rows * width))
     if sess.reference is not None:  # dpo's frozen copy (full-parameter training)
         parts["reference"] = sum(v.nbytes for _, v in tree_flatten(sess.reference.parameters()))
-    parts["activations"] = model_activations(sess.model, rows, width, scored, e)
+    parts["activations"] = model_activations(sess.model, rows, width, scored, backward)
     parts["peak"] = sum(parts.values())
     return {**{k: round(v / GB, 6) for k, v in parts.items()}, "bytes": parts, "rows": rows, "width": width,
-            "segment_layers": e.segment_layers}
+            "recomputes": backward.segment_layers > 0, "segment_layers": e.segment_layers,
+            "segment_min_positions": e.segment_min_positions}
 
 
 def measured_activations(model: Any, pairs: Pairs, engine: EngineSettings, lam: float = 0.1) -> dict[str, int]:
@@ -156,10 +160,11 @@ def memory_budget(engine: EngineSettings) -> int:
     return int(engine.memory_limit_gb * GB) if engine.memory_limit_gb else int(HEADROOM * device_memory())
 
 
-def plan_segments(sess: Any) -> tuple[int, dict[str, Any]]:
-    """segment_layers for `auto`, with its prediction: 0 (the plain backward: no recompute) where its predicted peak
-    fits the budget, else the most layers per segment that fit (the recompute is one forward whatever the size;
-    fewer segments, fewer boundaries), else the size of the least predicted peak."""
+def plan_segments(sess: Any) -> tuple[int, int, dict[str, Any]]:
+    """segment_layers and segment_min_positions for `auto`, with the prediction: 0 (the plain backward: no
+    recompute) where the widest micro-batch's predicted peak fits the budget, else the most layers per segment that
+    fit (the recompute is one forward whatever the size; fewer segments, fewer boundaries), else the size of the
+    least predicted peak; then the micro-batches the plain backward still fits keep it (`plain_reach`)."""
     layers = max(1, getattr(sess.model.args, "num_hidden_layers", 1))
     budget = memory_budget(sess.engine)
     # The rows do not depend on the segments: built once for every candidate.
@@ -168,7 +173,28 @@ def plan_segments(sess: Any) -> tuple[int, dict[str, Any]]:
     tried = [predict_memory(sess, k, extent) for k in [0, *range(max(1, layers // 2), 0, -1)]]
     fits = [p for p in tried if p["bytes"]["peak"] <= budget]
     best = fits[0] if fits else min(tried, key=lambda p: p["bytes"]["peak"])
-    return best["segment_layers"], {**best, "budget_gb": round(budget / GB, 6)}
+    plain = plain_reach(sess, extent, budget) if best["segment_layers"] else None
+    positions = plain["rows"] * plain["width"] + 1 if plain else 0
+    # The run's peak: the widest micro-batch's, or a narrower one's without the recompute, whichever is more.
+    peak = max([best] + ([plain] if plain else []), key=lambda p: p["bytes"]["peak"])
+    return best["segment_layers"], positions, {**peak, "segment_layers": best["segment_layers"],
+                                               "segment_min_positions": positions, "budget_gb": round(budget / GB, 6)}
+
+
+def plain_reach(sess: Any, extent: tuple[int, int, int], budget: int) -> dict[str, Any] | None:
+    """The prediction of the widest micro-batch narrowed (its rows, fewer positions each, its scored tokens in
+    proportion) as far as its plain backward fits `budget`, or None where none does: the activations grow with
+    the positions, so a bisection over the width finds the most that fit."""
+    rows, width, scored = extent
+    lo, hi, found = 1, width - 1, None
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        p = predict_memory(sess, 0, (rows, mid, max(1, scored * mid // width)))
+        if p["bytes"]["peak"] <= budget:
+            found, lo = p, mid + 1
+        else:
+            hi = mid - 1
+    return found
 
 
 def over_device(predicted: dict[str, Any]) -> str | None:

@@ -13,6 +13,8 @@ from tqdm import tqdm
 from orpo.progress import eta, line
 
 VALIDATION_KEYS = ("loss", "nll", "or_loss", "accuracy", "margin")
+# The predicted peak's parts, in GB (orpo.train.footprint.predict_memory).
+PREDICTED_PARTS = ("weights", "gradients", "master_weights", "moments", "reference", "activations")
 
 
 class Progress:
@@ -64,11 +66,13 @@ class Progress:
             return f"resumed from step {record['resumed_from_step']}/{self.total} (its checkpoint)"
         if "predicted_memory_gb" in record:
             p = record["predicted_memory_gb"]
-            parts = ", ".join(f"{k} {v:.2f}" for k, v in p.items()
-                              if k not in ("peak", "rows", "width", "segment_layers", "budget_gb") and isinstance(v, (int, float)))
+            parts = ", ".join(f"{k} {v:.2f}" for k, v in p.items() if k in PREDICTED_PARTS)
+            seg, least = p["segment_layers"], p.get("segment_min_positions", 0)
+            backward = f"recomputed in {seg}-layer segments" if p.get("recomputes", seg > 0) else "plain backward"
+            plan = f"segment_layers {seg}" + (f" from {least} positions" if seg and least else "")
             planned = f", auto under a budget of {p['budget_gb']:.2f} GB" if "budget_gb" in p else ""
-            return (f"predicted peak memory {p['peak']:.2f} GB ({parts}) at the widest micro-batch, {p['rows']} rows x "
-                    f"{p['width']}, segment_layers {p['segment_layers']}{planned}"
+            return (f"predicted peak memory {p['peak']:.2f} GB ({parts}) at a micro-batch of {p['rows']} rows x "
+                    f"{p['width']} ({backward}); {plan}{planned}"
                     + (f"; warning: {record['warning']}" if record.get("warning") else ""))
         if "peak_memory_gb" in record:
             m = record["peak_memory_gb"]

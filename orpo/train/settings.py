@@ -39,6 +39,7 @@ class EngineSettings:
     head: str
     head_chunk: int
     segment_layers: int | str
+    segment_min_positions: int | str
     mlp_chunks: int
     prefix_sharing: bool | str
     prefix_attention: str
@@ -52,7 +53,13 @@ class EngineSettings:
     @property
     def resolved(self) -> bool:
         """Whether the machine's choices are made (no `auto` left that the step would have to decide)."""
-        return "auto" not in (self.prefix_sharing, self.compile, self.attention_backward, self.segment_layers)
+        return "auto" not in (self.prefix_sharing, self.compile, self.attention_backward, self.segment_layers,
+                              self.segment_min_positions)
+
+    def segments_for(self, positions: int) -> int:
+        """Layers per recomputed segment for a micro-batch of `positions` (rows x width): 0 (the plain backward)
+        below segment_min_positions."""
+        return self.segment_layers if positions >= self.segment_min_positions else 0
 
     @property
     def input_multiple(self) -> int | None:
@@ -166,7 +173,7 @@ class Machine:
 
 
 # Settings added after runs were recorded, by section: the value such a run computed with.
-ADDED_SINCE_RECORDED: dict[str, dict[str, Any]] = {"engine": {"attention_backward": "fused"}}
+ADDED_SINCE_RECORDED: dict[str, dict[str, Any]] = {"engine": {"attention_backward": "fused", "segment_min_positions": 0}}
 
 
 def as_recorded(settings: Mapping[str, Any]) -> Mapping[str, Any]:

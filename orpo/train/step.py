@@ -34,7 +34,8 @@ from orpo.train.settings import EngineSettings
 
 def resolve_engine(engine: EngineSettings) -> EngineSettings:
     """`engine` with this machine's choices made for its `auto` values (once per run: the run records them);
-    segment_layers auto is 0 here, the trainer then plans it for its data (footprint.plan_segments)."""
+    segment_layers and segment_min_positions auto are 0 here, the trainer then plans them for its data
+    (footprint.plan_segments)."""
     # compile: faster on CUDA (bench/README.md); on the CPU each new shape's first call pays a trace and a C++ build.
     # prefix_sharing: on everywhere, faster and smaller on the CPU and on CUDA (bench/README.md).
     # attention_backward: ordered where the fused backward sums with atomics (a GPU), so replay is bit-exact.
@@ -45,6 +46,7 @@ def resolve_engine(engine: EngineSettings) -> EngineSettings:
         prefix_sharing=True if engine.prefix_sharing == "auto" else engine.prefix_sharing,
         attention_backward=ordered if engine.attention_backward == "auto" else engine.attention_backward,
         segment_layers=0 if engine.segment_layers == "auto" else engine.segment_layers,
+        segment_min_positions=0 if engine.segment_min_positions == "auto" else engine.segment_min_positions,
         width_multiple=engine.width_multiple or (CUDA_ATTENTION_MULTIPLE if on_cuda() else 0))
 
 
@@ -238,7 +240,7 @@ def batch_value_and_grad(model: nn.Module, batch: MicroBatch, loss: PairLoss | f
                                                                             batch.plain_nll)
         return (value, {**metrics, "prefix_fallbacks": mx.array(0.0)}), grads if into is None else add_into(into, grads)
     packed = batch.packed
-    if engine.segment_layers > 0:  # adds into the running sums segment by segment
+    if engine.segments_for(batch.positions):  # adds into the running sums segment by segment
         (value, metrics), grads = _segmented(model, packed, loss, engine, into)
     else:
         if engine.compile:

@@ -3,7 +3,7 @@
 For each case one value_and_grad of the product's step (`orpo.train.step`, the engine resolved on this machine as a
 run resolves it) on random pairs of a real geometry, at a few depths: the memory the step takes above what was
 resident before it (peak - resident, the gradients' own arrays taken off) beside the estimate, so the per-layer
-slope and the depth-independent part (head, boundaries) can both be read. `orpo.train.footprint.plan_segments`
+slope and the depth-independent part (head, boundaries) can both be read. `orpo.train.footprint.plan_memory`
 chooses the segmented backward from this estimate, so it must not fall short of the measurement.
 
     .venv/bin/python bench/memory_model.py --geometry cpu-small

@@ -1,5 +1,6 @@
 """Gradient accumulation (exact, flat peak memory) and no active-memory drift over a long run."""
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -234,15 +235,22 @@ def test_cache_policy_holds_the_memory_limit_at_the_ceiling_and_restores_both():
         mx.set_memory_limit(before)
 
 
+def predicted_at(sess, extent=None, **engine):
+    """The session's predicted peak with `engine`'s values in place of its own (at `extent` where given)."""
+    from orpo.train.footprint import predict_memory
+
+    return predict_memory(sess, dataclasses.replace(sess.engine, **engine), extent)
+
+
 def test_auto_segments_are_planned_to_the_budget_and_the_run_keeps_the_plan(tiny_base, tiny_rendered, tmp_path):
-    from orpo.train.footprint import GB, predict_memory
+    from orpo.train.footprint import GB
     from orpo.train.settings import recorded_run
 
     settings = {"batch_size": 4, "max_steps": 2, "lora": LORA}
     ample = build_session(tiny_base, tiny_rendered, train_settings(settings))
     assert ample.engine.segment_layers == 0 and ample.plan["segment_layers"] == 0  # it fits: no recompute
     layers = ample.model.args.num_hidden_layers
-    peaks = {k: predict_memory(ample, k)["bytes"]["peak"] for k in range(layers // 2 + 1)}
+    peaks = {k: predicted_at(ample, segment_layers=k)["bytes"]["peak"] for k in range(layers // 2 + 1)}
     assert layers >= 2 and all(peaks[0] > peaks[k] for k in peaks if k)  # segments keep fewer activations
     # A budget the plain backward's prediction passes: the most layers per segment that fit.
     budget = (peaks[0] + max(p for k, p in peaks.items() if k)) / 2
@@ -253,7 +261,16 @@ def test_auto_segments_are_planned_to_the_budget_and_the_run_keeps_the_plan(tiny
     # Under a budget nothing fits, the least predicted peak.
     least = min(peaks, key=peaks.get)
     starved = build_session(tiny_base, tiny_rendered, train_settings({**settings, "engine": {"memory_limit_gb": 1e-6}}))
-    assert starved.engine.segment_layers == least
+    assert starved.engine.segment_layers == least and starved.engine.mlp_chunks == 8
+    # One layer a segment does not fit either: its MLP in the fewest chunks that fit, never under LoRA dropout there.
+    chunked = [predicted_at(ample, segment_layers=1, mlp_chunks=c)["bytes"]["peak"] for c in (1, 2, 4, 8)]
+    assert chunked == sorted(chunked, reverse=True) and len(set(chunked)) == 4
+    between = {"memory_limit_gb": (chunked[1] + chunked[2]) / 2 / GB}
+    four = build_session(tiny_base, tiny_rendered, train_settings({**settings, "engine": between}))
+    assert (four.engine.segment_layers, four.engine.mlp_chunks) == (1, 4)
+    dropout = build_session(tiny_base, tiny_rendered, train_settings({**settings, "engine": between,
+                                                                       "lora": {**LORA, "dropout": 0.1}}))
+    assert (dropout.engine.segment_layers, dropout.engine.mlp_chunks) == (1, 1)
 
     index = train(tiny_base, tiny_rendered, tmp_path / "run", train_settings({**settings, "engine": engine}))
     _, resolved, record = recorded_run(tmp_path / "run")
@@ -292,14 +309,14 @@ def test_a_planned_run_recomputes_only_the_micro_batches_the_plain_backward_does
     """Under a budget the plain backward fits only up to a narrower micro-batch than the widest, auto plans
     segments and the threshold between: each step's micro-batch is recomputed exactly when it is at least that
     wide, and both kinds run."""
-    from orpo.train.footprint import GB, micro_batch_extent, predict_memory, widest_micro_batch
+    from orpo.train.footprint import GB, micro_batch_extent, widest_micro_batch
 
     settings = {"batch_size": 4, "max_steps": 12, "log_every": 1, "lora": LORA}
     ample = build_session(tiny_base, tiny_rendered, train_settings(settings))
     rows, width, scored = micro_batch_extent(widest_micro_batch(ample.train, 4), ample.engine, ample.resolved.tight_rows)
     narrow = width * 5 // 8
-    budget = predict_memory(ample, 0, (rows, narrow, scored * narrow // width))["bytes"]["peak"]
-    assert predict_memory(ample, 1)["bytes"]["peak"] <= budget < predict_memory(ample, 0)["bytes"]["peak"]
+    budget = predicted_at(ample, (rows, narrow, scored * narrow // width), segment_layers=0)["bytes"]["peak"]
+    assert predicted_at(ample, segment_layers=1)["bytes"]["peak"] <= budget < predicted_at(ample)["bytes"]["peak"]
     engine = {"memory_limit_gb": budget / GB}
     planned = build_session(tiny_base, tiny_rendered, train_settings({**settings, "engine": engine}))
     least = rows * narrow + 1  # the activations grow with the width: the bisection stops at `narrow`

@@ -17,6 +17,7 @@ from orpo.device import on_cuda
 from orpo.engine.head import chunk_for
 from orpo.optim import master_extra_bytes
 from orpo.train.data import Pairs, pair_tokens
+from orpo.train.lora import mlp_dropout
 from orpo.train.memory import HEADROOM, device_memory
 from orpo.train.settings import EngineSettings
 from orpo.train.step import pair_value_and_grad, prepare, tight_rows_fit
@@ -109,33 +110,30 @@ def model_activations(model: Any, rows: int, width: int, scored: int, engine: En
     return activation_bytes(model.args, dtype, rows, width, scored, as_dict(engine), head_trains, on_cuda())
 
 
-def predict_memory(sess: Any, segment_layers: int | None = None,
+def predict_memory(sess: Any, engine: EngineSettings | None = None,
                    extent: tuple[int, int, int] | None = None) -> dict[str, Any]:
     """The session's predicted peak, in GB: weights + gradients + master weights + moments + activations (estimate)
-    of its widest micro-batch (`extent`: rows, width and scored tokens of that or another micro-batch); the
-    backward the session takes for it, or `segment_layers` in place of the session's (the planner's candidates)."""
+    of its widest micro-batch (`extent`: rows, width and scored tokens of that or another micro-batch), under the
+    session's engine or `engine` (the planner's candidates), with the backward it takes for that micro-batch."""
     s = sess.s
-    e = sess.engine
-    if segment_layers is not None:
-        e = dataclasses.replace(e, segment_layers=segment_layers, segment_min_positions=0)
+    e = engine or sess.engine
+    rows, width, scored = extent or micro_batch_extent(widest_micro_batch(sess.train, s.batch_size), e,
+                                                       sess.resolved.tight_rows, s.nll_span)
+    backward = dataclasses.replace(e, segment_layers=e.segments_for(rows * width))
     # Accumulating, the running sums beside a micro-batch's gradients (a segment's where the segmented backward
     # adds them in as it goes); data parallel, the all-reduced copy.
     beside = 0.0
     if s.grad_accum > 1:
         layers = max(1, getattr(sess.model.args, "num_hidden_layers", 1))
-        beside = min(1.0, e.segment_layers / layers) if e.segment_layers else 1.0
+        beside = min(1.0, backward.segment_layers / layers) if backward.segment_layers else 1.0
     copies = 1 + beside + (sess.shard.size > 1)
     parts = parameter_bytes(sess.model, sess.opt.master_dtype, copies)
-    rows, width, scored = extent or micro_batch_extent(widest_micro_batch(sess.train, s.batch_size), e,
-                                                       sess.resolved.tight_rows, s.nll_span)
-    backward = dataclasses.replace(e, segment_layers=e.segments_for(rows * width))
     if sess.reference is not None:  # dpo's frozen copy (full-parameter training)
         parts["reference"] = sum(v.nbytes for _, v in tree_flatten(sess.reference.parameters()))
     parts["activations"] = model_activations(sess.model, rows, width, scored, backward)
     parts["peak"] = sum(parts.values())
     return {**{k: round(v / GB, 6) for k, v in parts.items()}, "bytes": parts, "rows": rows, "width": width,
-            "recomputes": backward.segment_layers > 0, "segment_layers": e.segment_layers,
-            "segment_min_positions": e.segment_min_positions}
+            "recomputes": backward.segment_layers > 0, **e.memory_plan}
 
 
 def measured_activations(model: Any, pairs: Pairs, engine: EngineSettings, lam: float = 0.1) -> dict[str, int]:
@@ -160,25 +158,34 @@ def memory_budget(engine: EngineSettings) -> int:
     return int(engine.memory_limit_gb * GB) if engine.memory_limit_gb else int(HEADROOM * device_memory())
 
 
-def plan_segments(sess: Any) -> tuple[int, int, dict[str, Any]]:
-    """segment_layers and segment_min_positions for `auto`, with the prediction: 0 (the plain backward: no
-    recompute) where the widest micro-batch's predicted peak fits the budget, else the most layers per segment that
-    fit (the recompute is one forward whatever the size; fewer segments, fewer boundaries), else the size of the
-    least predicted peak; then the micro-batches the plain backward still fits keep it (`plain_reach`)."""
+def plan_memory(sess: Any, configured: EngineSettings) -> tuple[dict[str, int], dict[str, Any]]:
+    """The memory plan (EngineSettings.memory_plan) for the values `configured` leaves `auto`, with its prediction.
+
+    Candidates in order of speed, the first whose predicted peak at the widest micro-batch fits the budget (else
+    the least): the plain backward; segments of layers/2 down to 1 layer (the recompute is one forward whatever
+    the size; fewer segments, fewer boundaries); one layer with its MLP in 2, 4, 8 chunks. Where it plans
+    segments, the narrower micro-batches the plain backward still fits keep it (`plain_reach`).
+    """
+    auto = {k for k, v in configured.memory_plan.items() if v == "auto"}
     layers = max(1, getattr(sess.model.args, "num_hidden_layers", 1))
     budget = memory_budget(sess.engine)
-    # The rows do not depend on the segments: built once for every candidate.
+    # The rows do not depend on the plan: built once for every candidate.
     extent = micro_batch_extent(widest_micro_batch(sess.train, sess.s.batch_size), sess.engine,
                                 sess.resolved.tight_rows, sess.s.nll_span)
-    tried = [predict_memory(sess, k, extent) for k in [0, *range(max(1, layers // 2), 0, -1)]]
-    fits = [p for p in tried if p["bytes"]["peak"] <= budget]
-    best = fits[0] if fits else min(tried, key=lambda p: p["bytes"]["peak"])
-    plain = plain_reach(sess, extent, budget) if best["segment_layers"] else None
-    positions = plain["rows"] * plain["width"] + 1 if plain else 0
+    segments = [0, *range(max(1, layers // 2), 0, -1)] if "segment_layers" in auto else [sess.engine.segment_layers]
+    candidates = [dataclasses.replace(sess.engine, segment_layers=k) for k in segments]
+    if "mlp_chunks" in auto and segments[-1] and not mlp_dropout(sess.model.model.layers):
+        candidates += [dataclasses.replace(candidates[-1], mlp_chunks=c) for c in (2, 4, 8)]
+    peaks = [predict_memory(sess, e, extent)["bytes"]["peak"] for e in candidates]
+    fits = [e for e, p in zip(candidates, peaks) if p <= budget]
+    chosen = fits[0] if fits else candidates[peaks.index(min(peaks))]
+    plain = None
+    if {"segment_layers", "segment_min_positions"} <= auto and chosen.segment_layers:  # segments set: every micro-batch
+        plain = plain_reach(sess, extent, budget)
+        chosen = dataclasses.replace(chosen, segment_min_positions=plain["rows"] * plain["width"] + 1 if plain else 0)
     # The run's peak: the widest micro-batch's, or a narrower one's without the recompute, whichever is more.
-    peak = max([best] + ([plain] if plain else []), key=lambda p: p["bytes"]["peak"])
-    return best["segment_layers"], positions, {**peak, "segment_layers": best["segment_layers"],
-                                               "segment_min_positions": positions, "budget_gb": round(budget / GB, 6)}
+    peak = max([predict_memory(sess, chosen, extent), *([plain] if plain else [])], key=lambda p: p["bytes"]["peak"])
+    return chosen.memory_plan, {**peak, **chosen.memory_plan, "budget_gb": round(budget / GB, 6)}
 
 
 def plain_reach(sess: Any, extent: tuple[int, int, int], budget: int) -> dict[str, Any] | None:
@@ -186,10 +193,11 @@ def plain_reach(sess: Any, extent: tuple[int, int, int], budget: int) -> dict[st
     proportion) as far as its plain backward fits `budget`, or None where none does: the activations grow with
     the positions, so a bisection over the width finds the most that fit."""
     rows, width, scored = extent
+    plain = dataclasses.replace(sess.engine, segment_layers=0)
     lo, hi, found = 1, width - 1, None
     while lo <= hi:
         mid = (lo + hi) // 2
-        p = predict_memory(sess, 0, (rows, mid, max(1, scored * mid // width)))
+        p = predict_memory(sess, plain, (rows, mid, max(1, scored * mid // width)))
         if p["bytes"]["peak"] <= budget:
             found, lo = p, mid + 1
         else:

@@ -75,14 +75,19 @@ def adapters_off(model: nn.Module) -> Iterator[None]:
             m.bypass = False
 
 
+def mlp_dropout(layers: list[nn.Module]) -> list[tuple[str, LoRALinear]]:
+    """The LoRA adapters of the layers' MLPs that have dropout (drawn while training), by module name."""
+    return [(name, m) for layer in layers for name, m in layer.mlp.named_modules()
+            if isinstance(m, LoRALinear) and m.p > 0]
+
+
 def refuse_mlp_dropout(layers: list[nn.Module]) -> None:
     """The MLP differentiated in token chunks would draw its dropout masks over a chunk's shape: refuse dropout there."""
-    for layer in layers:
-        for name, m in layer.mlp.named_modules():
-            if isinstance(m, LoRALinear) and m.training and m.p > 0:
-                raise ValueError(f"train.engine.mlp_chunks > 1 with LoRA dropout on the MLP ({name}, dropout {m.p}): "
-                                 "a chunked recompute would draw other dropout masks; set lora.dropout: 0 or "
-                                 "mlp_chunks: 1")
+    for name, m in mlp_dropout(layers):
+        if m.training:
+            raise ValueError(f"train.engine.mlp_chunks > 1 with LoRA dropout on the MLP ({name}, dropout {m.p}): "
+                             "a chunked recompute would draw other dropout masks; set lora.dropout: 0 or "
+                             "mlp_chunks: 1")
 
 
 def block_keys(model: nn.Module, targets: list[str]) -> list[str]:

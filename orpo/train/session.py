@@ -27,7 +27,7 @@ from orpo.settings import as_dict
 from orpo.train.accumulate import accumulate_grads
 from orpo.train.data import Pairs, load_pairs, pair_lengths, pair_tokens, scored_counts
 from orpo.train.distributed import BACKEND_ENV, Shard, join, shard_micro_batches
-from orpo.train.footprint import plan_segments, predict_memory
+from orpo.train.footprint import plan_memory
 from orpo.train.full import full_adamw, is_full, start_full
 from orpo.train.keys import DropoutKeys
 from orpo.train.lambdas import ConstantLambda, LambdaController, lambda_schedule
@@ -260,13 +260,9 @@ def build_session(base_dir: str | Path, rendered_dir: str | Path, settings: Trai
            else lora_adamw(*rule, s.lora.plus_ratio, s.bias_correction))
     sess = Session(resolved, model, opt, adapter_config, train, schedule, keys, init, shard, precision=precision,
                    reference=reference)
-    if planned and settings.engine.segment_layers == "auto":  # a recorded run keeps the plan it made
-        segments, positions, sess.plan = plan_segments(sess)
-        fixed = settings.engine.segment_min_positions != "auto"
-        engine = dataclasses.replace(s.engine, segment_layers=segments,
-                                     segment_min_positions=settings.engine.segment_min_positions if fixed else positions)
+    if planned and "auto" in settings.engine.memory_plan.values():  # a recorded run keeps the plan it made
+        plan, sess.plan = plan_memory(sess, settings.engine)
+        engine = dataclasses.replace(s.engine, **plan)
         sess.resolved = dataclasses.replace(resolved, settings=dataclasses.replace(s, engine=engine))
         adapter_config["orpo_train"] = as_dict(sess.s)
-        if fixed:  # the widest micro-batch's prediction under the configured threshold
-            sess.plan = {**predict_memory(sess), "budget_gb": sess.plan["budget_gb"]}
     return sess

@@ -40,7 +40,7 @@ class EngineSettings:
     head_chunk: int
     segment_layers: int | str
     segment_min_positions: int | str
-    mlp_chunks: int
+    mlp_chunks: int | str
     prefix_sharing: bool | str
     prefix_attention: str
     attention_backward: str
@@ -53,8 +53,12 @@ class EngineSettings:
     @property
     def resolved(self) -> bool:
         """Whether the machine's choices are made (no `auto` left that the step would have to decide)."""
-        return "auto" not in (self.prefix_sharing, self.compile, self.attention_backward, self.segment_layers,
-                              self.segment_min_positions)
+        return "auto" not in (self.prefix_sharing, self.compile, self.attention_backward, *self.memory_plan.values())
+
+    @property
+    def memory_plan(self) -> dict[str, int | str]:
+        """The settings that trade speed for memory, which `auto` plans per run (orpo.train.footprint.plan_memory)."""
+        return {k: getattr(self, k) for k in ("segment_layers", "segment_min_positions", "mlp_chunks")}
 
     def segments_for(self, positions: int) -> int:
         """Layers per recomputed segment for a micro-batch of `positions` (rows x width): 0 (the plain backward)

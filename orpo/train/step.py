@@ -34,8 +34,8 @@ from orpo.train.settings import EngineSettings
 
 def resolve_engine(engine: EngineSettings) -> EngineSettings:
     """`engine` with this machine's choices made for its `auto` values (once per run: the run records them);
-    segment_layers and segment_min_positions auto are 0 here, the trainer then plans them for its data
-    (footprint.plan_segments)."""
+    the memory plan's auto values are the plain backward's here (segments 0, MLP whole), the trainer then plans
+    them for its data (footprint.plan_memory)."""
     # compile: faster on CUDA (bench/README.md); on the CPU each new shape's first call pays a trace and a C++ build.
     # prefix_sharing: on everywhere, faster and smaller on the CPU and on CUDA (bench/README.md).
     # attention_backward: ordered where the fused backward sums with atomics (a GPU), so replay is bit-exact.
@@ -47,6 +47,7 @@ def resolve_engine(engine: EngineSettings) -> EngineSettings:
         attention_backward=ordered if engine.attention_backward == "auto" else engine.attention_backward,
         segment_layers=0 if engine.segment_layers == "auto" else engine.segment_layers,
         segment_min_positions=0 if engine.segment_min_positions == "auto" else engine.segment_min_positions,
+        mlp_chunks=1 if engine.mlp_chunks == "auto" else engine.mlp_chunks,
         width_multiple=engine.width_multiple or (CUDA_ATTENTION_MULTIPLE if on_cuda() else 0))
 
 

@@ -27,9 +27,8 @@ are skipped, and each run's model folder is deleted once its numbers are read (a
 machine of 64 GB of disk). Each case also reports the trainer's predicted peak beside its measured one.
 `--dtype` overrides the geometry's dtype (bfloat16 on the CPU exercises the float32 masters). At the Mistral-7B
 geometry the weights, gradients, masters and moments alone are 115.9 GB (16 bytes a parameter), so the
-whole-graph backward's activations (predicted 43 GB at 4 x 512 + 512, 84 GB at 4 x 1024 + 1024) do not fit
-beside them on one H200; with `--engine '{"segment_layers": 1}'` the prediction is 119.6 and 122.5 GB
-(`"mlp_chunks": 4` takes off 0.7 and 1.3 more). The trainer warns when its prediction passes the device.
+whole-graph backward's activations do not fit beside them on one H200: the trainer's memory plan segments the
+backward (and chunks the MLP) and prints its prediction; it warns when that passes the device.
 
     .venv/bin/python bench/trainer.py --geometry cpu-small --json /tmp/trainer.json
     python bench/trainer.py --geometry h200 --json $OUT/trainer-h200.json         # on the GPU (bench/gpu_wheels.md)

@@ -11,6 +11,7 @@ import pytest
 from mlx.utils import tree_flatten, tree_map
 from mlx_lm.models import llama
 
+from orpo.device import on_cuda
 from orpo.engine.segmented import add_into
 from orpo.train.accumulate import accumulate_grads
 from orpo.train.data import pair_batch
@@ -304,6 +305,7 @@ def test_the_activation_estimate_bounds_the_measured_step(method, segment_layers
     assert m["measured"] <= m["predicted"] <= 2.5 * m["measured"], m
 
 
+@pytest.mark.skipif(on_cuda(), reason="on CUDA the plan recomputes every micro-batch")
 def test_a_planned_run_recomputes_only_the_micro_batches_the_plain_backward_does_not_fit(tiny_base, tiny_rendered,
                                                                                           tmp_path):
     """Under a budget the plain backward fits only up to a narrower micro-batch than the widest, auto plans
@@ -328,3 +330,29 @@ def test_a_planned_run_recomputes_only_the_micro_batches_the_plain_backward_does
     steps = [m for m in steps if "segmented" in m]
     assert len(steps) == 12 and all(m["segmented"] == (m["positions"] >= least) for m in steps), steps
     assert {m["segmented"] for m in steps} == {0, 1}
+
+
+def test_the_cuda_estimate_covers_every_step_measured_on_a_gpu():
+    """The activation estimate as CUDA computes it against bench/memory_model.py's measurements on a GPU
+    (bench/runs/2026-12-06-h100: 1B and 7B geometries, 2 to 32 layers, LoRA and full, plain and segmented):
+    never short of a measured step (a plan that fits on paper fits there), and within 3x of it."""
+    import sys
+    from types import SimpleNamespace
+
+    from orpo.train.footprint import GB, activation_bytes
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    from engine_shapes import LLAMA_1B, MISTRAL_7B
+
+    shapes = {"h200": LLAMA_1B, "mistral-7b": MISTRAL_7B}
+    runs = Path(__file__).resolve().parents[1] / "bench" / "runs" / "2026-12-06-h100"
+    rows = [r for f in sorted(runs.glob("memory-model-*.json")) for r in json.loads(f.read_text())["rows"]]
+    assert len(rows) >= 20 and {r["geometry"] for r in rows} == set(shapes)
+    for r in rows:
+        shape = shapes[r["geometry"]]
+        args = SimpleNamespace(**{**shape.llama_config(), "num_hidden_layers": r["layers"]})
+        engine = {"segment_layers": r["segment_layers"], "mlp_chunks": 1, "head": "fused", "head_chunk": 0}
+        scored = r["pairs"] * 2 * shape.response  # every response token of a pair's chosen and rejected
+        estimate = activation_bytes(args, mx.bfloat16, r["rows"], r["width"], scored, engine, r["method"] == "full",
+                                    cuda=True) / GB
+        assert r["measured_gb"] <= estimate <= 3 * r["measured_gb"], (r, estimate)

@@ -24,9 +24,11 @@ from orpo.train.step import pair_value_and_grad, prepare, tight_rows_fit
 from orpo.settings import as_dict
 
 GB = 1e9
-# The compiled CUDA step kept 1.55x (1B) and 1.19x (7B) of this estimate's activations, LoRA at 4 x 1536
-# (bench/runs/2026-12-05-h200: trainer-h200-fixed.json, engine-h200-7b.json): a plan on paper fits there too.
-CUDA_MARGIN = 1.6
+# The compiled CUDA step, measured against this estimate by bench/memory_model.py (H100, 2026-12-06,
+# bench/runs/2026-12-06-h100): the plain backward keeps about 5 layers' activations beyond its own, a segment's
+# recompute and backward about 3x its layers' plus one layer's, a trainable head in the one-graph step about 8
+# [V, H] float32 blocks; over it all 5% more covers every measured case (1B and 7B, 2 to 32 layers, LoRA and full).
+CUDA_EXTRA_LAYERS, CUDA_SEGMENT_FACTOR, CUDA_HEAD_GRAD_BLOCKS, CUDA_MARGIN = 5, 3, 8, 1.05
 
 
 def parameter_bytes(model: Any, master_dtype: Any, grad_copies: float) -> dict[str, int]:
@@ -45,7 +47,7 @@ def parameter_bytes(model: Any, master_dtype: Any, grad_copies: float) -> dict[s
 
 
 def activation_bytes(args: Any, dtype: Any, rows: int, width: int, scored: int, engine: dict[str, Any],
-                     head_trains: bool, fused_attention: bool) -> int:
+                     head_trains: bool, cuda: bool) -> int:
     """An estimate of a micro-batch's activations at its largest: `rows` rows of `width` positions, `scored`
     of them reaching the head.
 
@@ -55,6 +57,7 @@ def activation_bytes(args: Any, dtype: Any, rows: int, width: int, scored: int, 
     blocks, about 8 in flight in one graph and 3 chunk by chunk under segments (tests/test_engine_head.py), plus
     a [V, H] float32 accumulator when it trains. Attention that is not fused (off CUDA) keeps float32
     [rows, heads, width, width] probabilities per layer (CPU, one pair of 3 x 1024: predicted 1.5 GB, measured 1.19).
+    On CUDA, what the compiled step keeps beyond that (CUDA_EXTRA_LAYERS and the others above).
     """
     tokens = rows * width
     hidden = args.hidden_size
@@ -65,22 +68,23 @@ def activation_bytes(args: Any, dtype: Any, rows: int, width: int, scored: int, 
     kv = getattr(args, "num_key_value_heads", None) or heads
     size = dtype.size
     seg, chunks = int(engine["segment_layers"]), max(1, int(engine["mlp_chunks"]))
-    mlp = 5 * inter
     attention = 5 * hidden + 2 * heads * head_dim + 4 * kv * head_dim
-    scores = 0 if fused_attention else rows * heads * width * width * 4  # per layer
+    scores = 0 if cuda else rows * heads * width * width * 4  # per layer
     if seg:
-        stack = (math.ceil(layers / seg) + 1) * tokens * hidden * size + seg * (tokens * (attention + mlp / chunks) * size
-                                                                                + scores)
+        kept = CUDA_SEGMENT_FACTOR * seg + 1 if cuda else seg
+        stack = ((math.ceil(layers / seg) + 1) * tokens * hidden * size
+                 + kept * (tokens * (attention + 5 * inter / chunks) * size + scores))
     else:
-        stack = layers * (tokens * (attention + mlp) * size + scores)
+        stack = (layers + (CUDA_EXTRA_LAYERS if cuda else 0)) * (tokens * (attention + 5 * inter) * size + scores)
     vocab = args.vocab_size
     if engine["head"] == "fused":
         blocks = 3 if seg else 8
         chunk = min(chunk_for(vocab, int(engine["head_chunk"])), scored)
-        head = blocks * chunk * vocab * 4 + (vocab * hidden * 4 if head_trains else 0)
+        grad_blocks = 1 + (CUDA_HEAD_GRAD_BLOCKS if cuda and not seg else 0)
+        head = blocks * chunk * vocab * 4 + (grad_blocks * vocab * hidden * 4 if head_trains else 0)
     else:
         head = tokens * vocab * (size + 8)
-    return int((stack + head) * (CUDA_MARGIN if fused_attention else 1.0))
+    return int((stack + head) * (CUDA_MARGIN if cuda else 1.0))
 
 
 def widest_micro_batch(pairs: Pairs, batch_size: int) -> Pairs:
@@ -164,7 +168,7 @@ def plan_memory(sess: Any, configured: EngineSettings) -> tuple[dict[str, int], 
     Candidates in order of speed, the first whose predicted peak at the widest micro-batch fits the budget (else
     the least): the plain backward; segments of layers/2 down to 1 layer (the recompute is one forward whatever
     the size; fewer segments, fewer boundaries); one layer with its MLP in 2, 4, 8 chunks. Where it plans
-    segments, the narrower micro-batches the plain backward still fits keep it (`plain_reach`).
+    segments off CUDA, the narrower micro-batches the plain backward still fits keep it (`plain_reach`).
     """
     auto = {k for k, v in configured.memory_plan.items() if v == "auto"}
     layers = max(1, getattr(sess.model.args, "num_hidden_layers", 1))
@@ -180,7 +184,9 @@ def plan_memory(sess: Any, configured: EngineSettings) -> tuple[dict[str, int], 
     fits = [e for e, p in zip(candidates, peaks) if p <= budget]
     chosen = fits[0] if fits else candidates[peaks.index(min(peaks))]
     plain = None
-    if {"segment_layers", "segment_min_positions"} <= auto and chosen.segment_layers:  # segments set: every micro-batch
+    # Segments set in the config: every micro-batch. On CUDA the threshold ran 0.94x every micro-batch recomputed
+    # (bench/README.md, the memory plan): there too, every micro-batch.
+    if {"segment_layers", "segment_min_positions"} <= auto and chosen.segment_layers and not on_cuda():
         plain = plain_reach(sess, extent, budget)
         chosen = dataclasses.replace(chosen, segment_min_positions=plain["rows"] * plain["width"] + 1 if plain else 0)
     # The run's peak: the widest micro-batch's, or a narrower one's without the recompute, whichever is more.

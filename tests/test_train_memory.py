@@ -315,7 +315,7 @@ def test_a_planned_run_recomputes_only_the_micro_batches_the_plain_backward_does
 
     settings = {"batch_size": 4, "max_steps": 12, "log_every": 1, "lora": LORA}
     ample = build_session(tiny_base, tiny_rendered, train_settings(settings))
-    rows, width, scored = micro_batch_extent(widest_micro_batch(ample.train, 4), ample.engine, ample.resolved.tight_rows)
+    rows, width, scored = micro_batch_extent(widest_micro_batch(ample.train, 4, ample.lengths), ample.engine, ample.resolved.tight_rows)
     narrow = width * 5 // 8
     budget = predicted_at(ample, (rows, narrow, scored * narrow // width), segment_layers=0)["bytes"]["peak"]
     assert predicted_at(ample, segment_layers=1)["bytes"]["peak"] <= budget < predicted_at(ample)["bytes"]["peak"]
@@ -356,3 +356,27 @@ def test_the_cuda_estimate_covers_every_step_measured_on_a_gpu():
         estimate = activation_bytes(args, mx.bfloat16, r["rows"], r["width"], scored, engine, r["method"] == "full",
                                     cuda=True) / GB
         assert r["measured_gb"] <= estimate <= 3 * r["measured_gb"], (r, estimate)
+
+
+@pytest.mark.parametrize("tight", [True, False])
+def test_micro_batches_are_cut_by_the_length_their_rows_pad_to(tiny_base, tiny_rendered, tight):
+    """Tight shared rows pad to a pair's prompt + chosen + rejected; without them (a head dim the exclusion
+    attention does not fit on CUDA) a micro-batch of differing prompts is two-forward rows, which pad to its
+    longest sequence. Steps are cut in order of the length the rows take, and that cut makes fewer positions than
+    the other order."""
+    from orpo.train.data import pair_lengths, pair_tokens
+    from orpo.train.distributed import shard_micro_batches
+    from orpo.train.step import prepare, row_lengths
+
+    sess = build_session(tiny_base, tiny_rendered, train_settings({"batch_size": 2, "grad_accum": 4, "max_steps": 6,
+                                                                   "lora": LORA}))
+    assert sess.lengths == row_lengths(sess.train, sess.engine, sess.resolved.tight_rows)
+    lengths = row_lengths(sess.train, sess.engine, tight)
+    assert lengths == (pair_tokens if tight else pair_lengths)(sess.train)
+    other = (pair_lengths if tight else pair_tokens)(sess.train)
+    positions = {"row lengths": 0, "other": 0}
+    for step in sess.schedule:
+        for name, key in (("row lengths", lengths), ("other", other)):
+            cut = shard_micro_batches(sorted(step, key=lambda r: (key[r], r)), 2, 0, 1)
+            positions[name] += sum(prepare(sess.train.select(c), sess.engine, tight).positions for c in cut)
+    assert positions["row lengths"] < positions["other"], positions

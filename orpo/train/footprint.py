@@ -16,7 +16,7 @@ from mlx.utils import tree_flatten
 from orpo.device import on_cuda
 from orpo.engine.head import chunk_for
 from orpo.optim import master_extra_bytes
-from orpo.train.data import Pairs, pair_tokens
+from orpo.train.data import Pairs
 from orpo.train.lora import mlp_dropout
 from orpo.train.memory import HEADROOM, device_memory
 from orpo.train.settings import EngineSettings
@@ -87,10 +87,10 @@ def activation_bytes(args: Any, dtype: Any, rows: int, width: int, scored: int, 
     return int((stack + head) * (CUDA_MARGIN if cuda else 1.0))
 
 
-def widest_micro_batch(pairs: Pairs, batch_size: int) -> Pairs:
-    """The `batch_size` pairs of the most tokens: at least as wide as any micro-batch the trainer cuts (it cuts
-    each step's pairs in order of length)."""
-    longest = sorted(range(len(pairs)), key=pair_tokens(pairs).__getitem__)[-batch_size:]
+def widest_micro_batch(pairs: Pairs, batch_size: int, lengths: list[int]) -> Pairs:
+    """The `batch_size` pairs of the greatest `lengths`: at least as wide as any micro-batch the trainer cuts (it
+    cuts each step's pairs in order of these lengths, Session.lengths)."""
+    longest = sorted(range(len(pairs)), key=lengths.__getitem__)[-batch_size:]
     return pairs.select(longest)
 
 
@@ -121,7 +121,7 @@ def predict_memory(sess: Any, engine: EngineSettings | None = None,
     session's engine or `engine` (the planner's candidates), with the backward it takes for that micro-batch."""
     s = sess.s
     e = engine or sess.engine
-    rows, width, scored = extent or micro_batch_extent(widest_micro_batch(sess.train, s.batch_size), e,
+    rows, width, scored = extent or micro_batch_extent(widest_micro_batch(sess.train, s.batch_size, sess.lengths), e,
                                                        sess.resolved.tight_rows, s.nll_span)
     backward = dataclasses.replace(e, segment_layers=e.segments_for(rows * width))
     # Accumulating, the running sums beside a micro-batch's gradients (a segment's where the segmented backward
@@ -174,7 +174,7 @@ def plan_memory(sess: Any, configured: EngineSettings) -> tuple[dict[str, int], 
     layers = max(1, getattr(sess.model.args, "num_hidden_layers", 1))
     budget = memory_budget(sess.engine)
     # The rows do not depend on the plan: built once for every candidate.
-    extent = micro_batch_extent(widest_micro_batch(sess.train, sess.s.batch_size), sess.engine,
+    extent = micro_batch_extent(widest_micro_batch(sess.train, sess.s.batch_size, sess.lengths), sess.engine,
                                 sess.resolved.tight_rows, sess.s.nll_span)
     segments = [0, *range(max(1, layers // 2), 0, -1)] if "segment_layers" in auto else [sess.engine.segment_layers]
     candidates = [dataclasses.replace(sess.engine, segment_layers=k) for k in segments]

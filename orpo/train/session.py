@@ -25,7 +25,7 @@ from orpo.precision import Precision, load_model
 from orpo.render.template import resolve_model_dir
 from orpo.settings import as_dict
 from orpo.train.accumulate import accumulate_grads
-from orpo.train.data import Pairs, load_pairs, pair_lengths, pair_tokens, scored_counts
+from orpo.train.data import Pairs, load_pairs, pair_lengths, scored_counts
 from orpo.train.distributed import BACKEND_ENV, Shard, join, shard_micro_batches
 from orpo.train.footprint import plan_memory
 from orpo.train.full import full_adamw, is_full, start_full
@@ -36,7 +36,7 @@ from orpo.train.lora import apply_lora, warm_start
 from orpo.train.objectives import Objective, PairLoss, pair_objective
 from orpo.train.settings import EngineSettings, Machine, ResolvedRun, TrainSettings
 from orpo.train.step import (MicroBatch, batch_value_and_grad, check_attention, pair_scores, prepare,
-                             reference_model, resolve_engine, tight_rows_fit)
+                             reference_model, resolve_engine, row_lengths, tight_rows_fit)
 
 
 class TrainingError(RuntimeError):
@@ -96,7 +96,7 @@ class Session:
 
     def __post_init__(self) -> None:
         check_attention(self.model, self.engine)
-        self._lengths = pair_tokens(self.train)
+        self.lengths = row_lengths(self.train, self.engine, self.resolved.tight_rows)
         self.objective = Objective.of(self.s)
         self.lambdas = lambda_schedule(self.s)
 
@@ -122,9 +122,9 @@ class Session:
         return len(self.schedule)
 
     def micro_batches(self, step: int) -> list[list[int]]:
-        """This rank's rows of global step `step` (1-based) in micro-batches of batch_size, cut in order of length:
-        the same mean gradient, each micro-batch of similar lengths (little padding)."""
-        rows = sorted(self.schedule[step - 1], key=lambda r: (self._lengths[r], r))
+        """This rank's rows of global step `step` (1-based) in micro-batches of batch_size, cut in order of the
+        length their rows pad to (`lengths`): the same mean gradient, each micro-batch of similar lengths."""
+        rows = sorted(self.schedule[step - 1], key=lambda r: (self.lengths[r], r))
         return shard_micro_batches(rows, self.s.batch_size, self.shard.rank, self.shard.size)
 
     def prepare(self, step: int) -> list[MicroBatch]:

@@ -23,7 +23,7 @@ from orpo.engine.head import (LMHead, fused_logp_eager, lm_head_of, mean_logps_f
                               token_logp)
 from orpo.engine.segmented import Params, add_into, segmented_value_and_grad
 from orpo.engine.stack import Stack, head_dim_of
-from orpo.train.data import Pairs, pair_batch
+from orpo.train.data import Pairs, pair_batch, pair_lengths, pair_tokens
 from orpo.train.lora import adapters_off, refuse_mlp_dropout
 from orpo.train.objectives import PairLoss, pair_loss_of, pair_objective
 from orpo.train.rows import PackedPairs, plain_rows, shared_rows
@@ -88,6 +88,13 @@ def pack(pairs: Pairs, engine: EngineSettings, tight: bool = True, nll_span: str
     if not engine.prefix_sharing:
         return plain_rows(pairs, m, nll_span)
     return shared_rows(pairs, m, engine.prefix_attention, tight, nll_span)
+
+
+def row_lengths(pairs: Pairs, engine: EngineSettings, tight: bool) -> list[int]:
+    """Per pair, the length its forward rows pad to, by which micro-batches are cut: its prefix-shared row where
+    tight rows are built, else the longer of its two sequences (the two-forward rows a micro-batch of differing
+    prompts falls back to)."""
+    return pair_tokens(pairs) if engine.prefix_sharing is True and tight else pair_lengths(pairs)
 
 
 def prompt_nll_mask(pairs: Pairs, mask: mx.array) -> mx.array:

@@ -1,0 +1,58 @@
+"""Forward positions of an epoch of UltraFeedback-like pairs, the steps cut into micro-batches by either length.
+
+Host work only (the rows `orpo.train.step.prepare` builds; no device): for tight shared rows (what the engine builds
+where the exclusion attention fits) and without them (the Mistral-7B head dim on CUDA: a micro-batch of differing
+prompts falls back to two-forward rows), the positions (padding included) when each step's pairs are cut in order
+of the shared row's length (prompt + chosen + rejected) and of the longer sequence (prompt + max(chosen,
+rejected)); `orpo.train.step.row_lengths` picks the one the rows pad to.
+
+    .venv/bin/python bench/row_padding.py --pairs 1024
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]
+
+import numpy as np  # noqa: E402
+
+from orpo.batching import batch_schedule  # noqa: E402
+from orpo.train.data import Pairs, pair_lengths, pair_tokens  # noqa: E402
+from orpo.train.distributed import shard_micro_batches  # noqa: E402
+from orpo.train.settings import engine_settings  # noqa: E402
+from orpo.train.step import prepare, resolve_engine  # noqa: E402
+from trainer import ultrafeedback_lengths  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--pairs", type=int, default=1024)
+    ap.add_argument("--batch", type=int, default=4, help="pairs per micro-batch")
+    ap.add_argument("--step", type=int, default=32, help="pairs per optimizer step")
+    ap.add_argument("--width-multiple", type=int, default=128, help="train.engine.width_multiple (CUDA's 128)")
+    a = ap.parse_args()
+    rng = np.random.default_rng(0)
+    draw = ultrafeedback_lengths(a.pairs, 1)
+    prompt, chosen, rejected = ([rng.integers(5, 30000, x[i]).tolist() for x in draw] for i in range(3))
+    pairs = Pairs([str(i) for i in range(a.pairs)], prompt, chosen, rejected, [[1] * len(c) for c in chosen],
+                  [[1] * len(r) for r in rejected])
+    engine = resolve_engine(engine_settings({"width_multiple": a.width_multiple, "prefix_sharing": True}))
+    schedule = batch_schedule(pair_lengths(pairs), a.step, 1, 0, 0, 1)
+    print(f"{a.pairs} pairs, {a.step} a step in micro-batches of {a.batch}, widths of {a.width_multiple}")
+    for tight in (True, False):
+        for name, key in (("prompt + chosen + rejected", pair_tokens(pairs)),
+                          ("prompt + max(chosen, rejected)", pair_lengths(pairs))):
+            positions = real = two_forward = 0
+            for step in schedule:
+                for rows in shard_micro_batches(sorted(step, key=lambda r: (key[r], r)), a.batch, 0, 1):
+                    b = prepare(pairs.select(rows), engine, tight)
+                    positions, real, two_forward = positions + b.positions, real + b.row_tokens, two_forward + b.two_forward_tokens
+            print(f"{'tight rows' if tight else 'no tight rows':<14} cut by {name:<31} positions {positions:>10,}  "
+                  f"padding {1 - real / positions:.3f}  positions / two-forward tokens {positions / two_forward:.3f}")
+
+
+if __name__ == "__main__":
+    main()

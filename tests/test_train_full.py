@@ -312,13 +312,17 @@ def test_a_full_run_leaves_a_model_folder_and_checkpoints(full_run, bf16_base, s
     assert 0.5 < memory["peak"] / (measured["peak_gb"] - left_alive) < 2, (memory, measured)
 
 
-def test_a_prediction_past_the_device_is_a_warning():
-    from orpo.train.footprint import GB, over_device
+def test_a_prediction_past_the_device_or_the_plans_budget_is_a_warning():
+    from orpo.train.footprint import GB, memory_warning
     from orpo.train.memory import device_memory
 
-    assert over_device({"peak": 1.0, "bytes": {"peak": GB}}) is None
+    assert memory_warning({"peak": 1.0, "bytes": {"peak": GB}}) is None
+    assert memory_warning({"peak": 1.0, "bytes": {"peak": GB}, "budget_gb": 1.0}) is None
     past = device_memory() + GB
-    assert "segment_layers 2" in over_device({"peak": past / GB, "bytes": {"peak": past}, "segment_layers": 2})
+    assert "segment_layers 2" in memory_warning({"peak": past / GB, "bytes": {"peak": past}, "segment_layers": 2})
+    over = memory_warning({"peak": 1.5, "bytes": {"peak": 1.5 * GB}, "budget_gb": 1.0, "segment_layers": 1,
+                           "mlp_chunks": 8})
+    assert "no memory plan fits the budget of 1.0 GB" in over and "mlp_chunks 8" in over
 
 
 @pytest.mark.parametrize("start", ["zero", "previous"])

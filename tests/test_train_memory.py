@@ -244,7 +244,7 @@ def predicted_at(sess, extent=None, **engine):
 
 
 def test_auto_segments_are_planned_to_the_budget_and_the_run_keeps_the_plan(tiny_base, tiny_rendered, tmp_path):
-    from orpo.train.footprint import GB
+    from orpo.train.footprint import GB, memory_warning
     from orpo.train.settings import recorded_run
 
     settings = {"batch_size": 4, "max_steps": 2, "lora": LORA}
@@ -263,6 +263,7 @@ def test_auto_segments_are_planned_to_the_budget_and_the_run_keeps_the_plan(tiny
     least = min(peaks, key=peaks.get)
     starved = build_session(tiny_base, tiny_rendered, train_settings({**settings, "engine": {"memory_limit_gb": 1e-6}}))
     assert starved.engine.segment_layers == least and starved.engine.mlp_chunks == 8
+    assert "no memory plan fits the budget" in memory_warning(starved.plan) and memory_warning(ample.plan) is None
     # One layer a segment does not fit either: its MLP in the fewest chunks that fit, never under LoRA dropout there.
     chunked = [predicted_at(ample, segment_layers=1, mlp_chunks=c)["bytes"]["peak"] for c in (1, 2, 4, 8)]
     assert chunked == sorted(chunked, reverse=True) and len(set(chunked)) == 4

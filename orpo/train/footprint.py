@@ -184,8 +184,8 @@ def plan_memory(sess: Any, configured: EngineSettings) -> tuple[dict[str, int], 
     fits = [e for e, p in zip(candidates, peaks) if p <= budget]
     chosen = fits[0] if fits else candidates[peaks.index(min(peaks))]
     plain = None
-    # Segments set in the config: every micro-batch. On CUDA the threshold ran 0.94x every micro-batch recomputed
-    # (bench/README.md, the memory plan): there too, every micro-batch.
+    # Segments set in the config, or CUDA (where the threshold was slower than none: bench/README.md): every
+    # micro-batch recomputed.
     if {"segment_layers", "segment_min_positions"} <= auto and chosen.segment_layers and not on_cuda():
         plain = plain_reach(sess, extent, budget)
         chosen = dataclasses.replace(chosen, segment_min_positions=plain["rows"] * plain["width"] + 1 if plain else 0)
@@ -211,11 +211,16 @@ def plain_reach(sess: Any, extent: tuple[int, int, int], budget: int) -> dict[st
     return found
 
 
-def over_device(predicted: dict[str, Any]) -> str | None:
-    """A warning when the predicted peak passes the device's memory (the run would likely fail), else None."""
-    device = device_memory()
-    if predicted["bytes"]["peak"] <= device:
-        return None
-    return (f"the predicted peak {predicted['peak']:.1f} GB passes the device's {device / GB:.1f} GB at "
-            f"train.engine.segment_layers {predicted['segment_layers']}; segments (auto: the least peak that fits), "
-            "mlp_chunks and a smaller batch_size (grad_accum keeps the step's pairs) take memory off")
+def memory_warning(predicted: dict[str, Any]) -> str | None:
+    """A warning when the predicted peak passes the device's memory (the run would likely fail), or the budget the
+    memory plan was made for (nothing it could choose fits: the run may still fit the device), else None."""
+    device, peak = device_memory(), predicted["bytes"]["peak"]
+    plan = f"train.engine.segment_layers {predicted.get('segment_layers', 0)}, mlp_chunks {predicted.get('mlp_chunks', 1)}"
+    smaller = "a smaller batch_size (grad_accum keeps the step's pairs) or shorter pairs take memory off"
+    if peak > device:
+        return (f"the predicted peak {predicted['peak']:.1f} GB passes the device's {device / GB:.1f} GB at {plan}; "
+                f"segments and mlp_chunks (auto: planned to the least peak where nothing fits) and {smaller}")
+    if "budget_gb" in predicted and predicted["peak"] > predicted["budget_gb"]:
+        return (f"no memory plan fits the budget of {predicted['budget_gb']:.1f} GB: the least predicted peak is "
+                f"{predicted['peak']:.1f} GB ({plan}), under the device's {device / GB:.1f} GB; {smaller}")
+    return None

@@ -21,7 +21,7 @@ from orpo.io import atomic_path, write_json
 from orpo.train.checkpoint import (kept_steps, load_checkpoint, prune_checkpoints, read_index, resolve_step,
                                    save_checkpoint, save_weights, step_dir)
 from orpo.train.data import load_pairs
-from orpo.train.footprint import over_device, predict_memory
+from orpo.train.footprint import memory_warning, predict_memory
 from orpo.train.full import is_full, keeps_optimizer, publish_model
 from orpo.train.memory import CachePolicy, cache_policy
 from orpo.train.progress import Progress
@@ -131,7 +131,7 @@ def _train(sess: Session, record: dict[str, Any], rendered_dir: str | Path, out_
         progress.event({"resumed_from_step": start})
     # Printed before the first step; index.json's run.memory_predicted keeps it.
     predicted = sess.plan or predict_memory(sess)  # the plan's prediction is the run's (its budget beside)
-    progress.event({"predicted_memory_gb": predicted, **({"warning": w} if (w := over_device(predicted)) else {})})
+    progress.event({"predicted_memory_gb": predicted, **({"warning": w} if (w := memory_warning(predicted)) else {})})
     val = load_pairs(Path(rendered_dir) / "validation.parquet")
     index = read_index(work)
     if not len(val):

@@ -316,7 +316,8 @@ def test_a_planned_run_recomputes_only_the_micro_batches_the_plain_backward_does
 
     settings = {"batch_size": 4, "max_steps": 12, "log_every": 1, "lora": LORA}
     ample = build_session(tiny_base, tiny_rendered, train_settings(settings))
-    rows, width, scored = micro_batch_extent(widest_micro_batch(ample.train, 4, ample.lengths), ample.engine, ample.resolved.tight_rows)
+    widest = widest_micro_batch(ample.train, 4, ample.lengths)
+    rows, width, scored = micro_batch_extent(widest, ample.engine, ample.resolved.tight_rows)
     narrow = width * 5 // 8
     budget = predicted_at(ample, (rows, narrow, scored * narrow // width), segment_layers=0)["bytes"]["peak"]
     assert predicted_at(ample, segment_layers=1)["bytes"]["peak"] <= budget < predicted_at(ample)["bytes"]["peak"]

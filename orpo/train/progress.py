@@ -67,10 +67,10 @@ class Progress:
         if "predicted_memory_gb" in record:
             p = record["predicted_memory_gb"]
             parts = ", ".join(f"{k} {v:.2f}" for k, v in p.items() if k in PREDICTED_PARTS)
-            seg, least = p["segment_layers"], p.get("segment_min_positions", 0)
-            backward = f"recomputed in {seg}-layer segments" if p.get("recomputes", seg > 0) else "plain backward"
+            seg, least = p["segment_layers"], p["segment_min_positions"]
+            backward = f"recomputed in {seg}-layer segments" if p["recomputes"] else "plain backward"
             plan = (f"segment_layers {seg}" + (f" from {least} positions" if seg and least else "")
-                    + (f", mlp_chunks {p['mlp_chunks']}" if seg and p.get("mlp_chunks", 1) > 1 else ""))
+                    + (f", mlp_chunks {p['mlp_chunks']}" if seg and p["mlp_chunks"] > 1 else ""))
             planned = f", auto under a budget of {p['budget_gb']:.2f} GB" if "budget_gb" in p else ""
             return (f"predicted peak memory {p['peak']:.2f} GB ({parts}) at a micro-batch of {p['rows']} rows x "
                     f"{p['width']} ({backward}); {plan}{planned}"

@@ -2,7 +2,8 @@
 through matmuls, and the fused ordered kernels (orpo.engine.flash), then each of the two kernels alone (the dQ
 kernel with its log-sum-exp pass, the dK/dV kernel) at each tile size of `--tiles` (the dQ kernel's key block x
 the dK/dV kernel's query block; gradients against the default tiles'). Milliseconds per call, TFLOP/s of the attention's model
-FLOPs (causal: half the pairs; forward 4 x pairs x head_dim, backward twice that).
+FLOPs (causal: half the pairs; forward 4 x pairs x head_dim, backward twice that; the same count for the tight
+prefix rows' hidden spans, our kernels', and their exclusion dims, cuDNN's forward, where those fit).
 
     python3 bench/attention_backward.py --json $OUT/attention-backward.json
 
@@ -61,11 +62,18 @@ def run(shape: tuple, repeats: int, candidates: dict | None = None) -> dict:
     scale = d ** -0.5
     sdpa = mx.fast.scaled_dot_product_attention
     fits = attention.flash_fits
+    # Tight prefix rows' shape: a quarter prompt, then chosen hidden from the queries after it.
+    spans = mx.array([[length // 4, length * 5 // 8]] * b, mx.int32)
     paths = {
         "cudnn": lambda q, k, v: sdpa(q, k, v, scale=scale, mask="causal"),
         "ordered-matmul": lambda q, k, v: attention.ordered_attention(q, k, v, scale, "causal"),
         "ordered-flash": lambda q, k, v: attention.ordered_attention(q, k, v, scale, "causal"),
+        "flash-forward-causal": lambda q, k, v: attention.span_attention(q, k, v, scale, flash.no_spans(b)),
+        "flash-spans": lambda q, k, v: attention.span_attention(q, k, v, scale, spans),
     }
+    if attention.exclusion_fits(d, cuda=True):  # the same rows by the exclusion dims (cuDNN's forward)
+        paths["exclusion-dims"] = lambda q, k, v: attention.attend(
+            q, k, v, scale, attention.exclusion_mask(spans, length, q.dtype), ordered=True)
     pairs = b * h * length * (length + 1) / 2
     flops = 3 * 4 * pairs * d
     out = {"shape": dict(zip(("batch", "heads", "kv_heads", "length", "head_dim"), shape))}
@@ -134,12 +142,13 @@ def kernels_alone(q, k, v, cot, scale: float, repeats: int) -> dict:
     d = -(-q.shape[-1] // 16) * 16  # as flash_backward pads it
     q, k, v, cot = (flash.pad_head_dim(x, d) for x in (q, k, v, cot))
     delta = mx.random.normal(q.shape[:3])
-    scale_arr = mx.array([scale], mx.float32)
-    lse = flash.dq_and_lse(q, k, v, cot, delta, scale_arr, True)[1]
+    scale_arr, spans = mx.array([scale], mx.float32), flash.no_spans(q.shape[0])
+    lse = flash.dq_and_lse(q, k, v, cot, delta, spans, scale_arr, True)[1]
     mx.eval(lse, delta, q, k, v, cot)
     out = {}
-    for name, call in (("flash-dq-kernel", lambda: flash.dq_and_lse(q, k, v, cot, delta, scale_arr, True)),
-                       ("flash-dkv-kernel", lambda: flash.dk_and_dv(q, k, v, cot, delta, lse, scale_arr, True))):
+    for name, call in (("flash-dq-kernel", lambda: flash.dq_and_lse(q, k, v, cot, delta, spans, scale_arr, True)),
+                       ("flash-dkv-kernel",
+                        lambda: flash.dk_and_dv(q, k, v, cot, delta, lse, spans, scale_arr, True))):
         out[name] = {"ms": round(timed(call, (), repeats) * 1e3, 3)}
         print(name, tuple(q.shape), out[name], flush=True)
     return out

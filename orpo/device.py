@@ -24,6 +24,8 @@ def on_cuda() -> bool:
 
 
 def device_memory() -> int:
-    """Bytes of the device's memory (the machine's RAM where MLX does not report it, as on the CPU)."""
+    """Bytes of the device's memory (the machine's RAM where MLX does not report it, as on the CPU). MLX names it
+    memory_size on Metal and total_memory on CUDA."""
     info = mx.device_info()
-    return int(info.get("memory_size") or os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+    reported = info.get("memory_size") or info.get("total_memory")
+    return int(reported or os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))

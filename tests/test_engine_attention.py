@@ -65,22 +65,22 @@ def test_other_masks_go_to_mx_fast_attention_as_they_are():
                                atol=TOL, rtol=0)
 
 
-def exclusion_case(b: int, length: int, seed: int) -> tuple[mx.array, mx.array, np.ndarray]:
-    """Per-row query flags and excluded keys like prefix rows (rows differ), and the boolean mask they mean."""
+def exclusion_case(b: int, length: int, seed: int) -> tuple[mx.array, np.ndarray]:
+    """Per-row hidden spans like prefix rows' (rows differ: [shared, start) hidden from queries at start on), and
+    the boolean mask they mean."""
     rng = np.random.default_rng(seed)
-    flagged, excluded = np.zeros((b, length), bool), np.zeros((b, length), bool)
-    for r in range(b):
-        shared, start = sorted(rng.choice(np.arange(1, length - 1), 2, replace=False))
-        flagged[r, start:], excluded[r, shared:start] = True, True
-    keep = np.tril(np.ones((length, length), bool))[None] & ~(flagged[:, :, None] & excluded[:, None, :])
-    return mx.array(flagged), mx.array(excluded), keep[:, None]
+    spans = np.array([sorted(rng.choice(np.arange(1, length - 1), 2, replace=False)) for _ in range(b)], np.int32)
+    q, k = np.arange(length)[None, :, None], np.arange(length)[None, None, :]
+    first, end = spans[:, 0, None, None], spans[:, 1, None, None]
+    keep = (k <= q) & ~((q >= end) & (k >= first) & (k < end))
+    return mx.array(spans), keep[:, None]
 
 
-def exclusion_attention(q, k, v, flagged, excluded):
+def exclusion_attention(q, k, v, spans):
     """The engine's attention with an ExclusionMask."""
     from orpo.engine.attention import exclusion_mask
 
-    return attend(q, k, v, SCALE, exclusion_mask(flagged, excluded, q.dtype))
+    return attend(q, k, v, SCALE, exclusion_mask(spans, q.shape[2], q.dtype))
 
 
 @pytest.mark.parametrize("geometry", ["gqa", "mha"])
@@ -89,15 +89,15 @@ def test_exclusion_mask_equals_the_block_mask(geometry):
     gradients = autodiff through mx.fast sdpa under that mask (the extra dims' gradient never reaches q, k)."""
     h, kvh, length = GEOMETRIES[geometry]
     q, k, v = qkv(3, h, kvh, length, 8, seed=21)
-    flagged, excluded, keep = exclusion_case(3, length, 22)
+    spans, keep = exclusion_case(3, length, 22)
     assert (~keep).sum() > np.triu(np.ones((length, length)), 1).sum() * 3  # something beyond causality is hidden
-    got = exclusion_attention(q, k, v, flagged, excluded)
+    got = exclusion_attention(q, k, v, spans)
     assert got.shape == q.shape
     np.testing.assert_allclose(np.array(got), numpy_attention(q, k, v, SCALE, mx.array(keep)), atol=TOL, rtol=0)
     cot = mx.array(np.random.default_rng(23).normal(size=q.shape).astype(np.float32))
     want = grads(lambda q, k, v: mx.fast.scaled_dot_product_attention(q, k, v, scale=SCALE, mask=mx.array(keep)),
                  q, k, v, cot)
-    got = grads(lambda q, k, v: exclusion_attention(q, k, v, flagged, excluded), q, k, v, cot)
+    got = grads(lambda q, k, v: exclusion_attention(q, k, v, spans), q, k, v, cot)
     for name, g, w in zip("qkv", got, want):
         assert np.abs(w).max() > 0.1, name
         np.testing.assert_allclose(g, w, atol=TOL, rtol=0, err_msg=name)
@@ -110,8 +110,8 @@ def test_exclusion_mask_in_half_precision(dtype):
     """The penalty (-131072 on the raw score) is exact in bf16/fp16 and hides the keys completely: the output
     equals the masked sdpa's in the same dtype to its rounding, far from the unmasked one."""
     q, k, v = qkv(2, 4, 2, 48, 16, seed=24, dtype=dtype)
-    flagged, excluded, keep = exclusion_case(2, 48, 25)
-    got = np.array(exclusion_attention(q, k, v, flagged, excluded).astype(mx.float32))
+    spans, keep = exclusion_case(2, 48, 25)
+    got = np.array(exclusion_attention(q, k, v, spans).astype(mx.float32))
     want = numpy_attention(q, k, v, SCALE, mx.array(keep))
     # Measured 1.2e-2 max abs for bf16, 1.9e-3 for fp16 (outputs up to 2.8; inputs and P rounded to the dtype).
     np.testing.assert_allclose(got, want, atol=3e-2, rtol=0)
@@ -255,14 +255,14 @@ def test_ordered_attention_in_half_precision_compiled(dtype):
     ordered backward equals float64 gradients to the dtype's rounding, like autodiff through mx.fast does."""
     prompts, length = [9, 9, 20], 48
     split, keep = split_case(prompts, 32, length)
-    flagged, excluded, tight = exclusion_case(3, length, 36)
+    spans, tight = exclusion_case(3, length, 36)
     q, k, v = qkv(3, 4, 2, length, 16, seed=37)
     cot = mx.array(np.random.default_rng(38).normal(size=q.shape).astype(np.float32))
     half = [x.astype(dtype) for x in (q, k, v)]
     from orpo.engine.attention import exclusion_mask
 
     for name, mask, block in (("split", split, keep), ("exclusion", None, tight)):
-        m = mask or exclusion_mask(flagged, excluded, dtype)
+        m = mask or exclusion_mask(spans, length, dtype)
         want = numpy_attention_grads(q, k, v, SCALE, mx.array(block), cot)
         for ordered in (True, False):
             fn = mx.compile(lambda q, k, v: attend(q, k, v, SCALE, m, ordered=ordered).astype(mx.float32))

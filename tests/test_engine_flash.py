@@ -1,5 +1,6 @@
-"""The fused ordered attention backward (orpo.engine.flash, CUDA only): float64 gradients, the matmul path's
-gradients, and the same bits on every run.
+"""Our attention kernels (orpo.engine.flash, CUDA only): the ordered backward against float64 gradients and the
+matmul path's, the forward and backward under hidden spans against float64, the same bits on every run, and tight
+prefix rows of a head dim of 128 (where the exclusion dims do not fit cuDNN) against separate forwards.
 
 Oracle: numpy float64 gradients of sum(cot * attention) from the softmax's Jacobian (test_engine_attention's).
 Half-precision operands: relative norms of about 1e-2 (inputs, P and dS rounded to the dtype), as the matmul
@@ -9,7 +10,7 @@ path's ordered backward and autodiff through mx.fast's attention give.
 import mlx.core as mx
 import numpy as np
 import pytest
-from test_engine_attention import SCALE, numpy_attention_grads, qkv
+from test_engine_attention import SCALE, exclusion_case, numpy_attention, numpy_attention_grads, qkv
 
 from orpo.device import on_cuda
 from orpo.engine import attention, flash
@@ -70,3 +71,60 @@ def test_flash_backward_gives_the_same_bits_every_run():
     for _ in range(3):
         for a, b in zip(first, fn(q, k, v)):
             np.testing.assert_array_equal(a, np.array(b.astype(mx.float32)))
+
+
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16])
+def test_span_attention_equals_float64(dtype):
+    """Forward and gradients under per-row hidden spans (rows differ, lengths off the tiles, GQA, head dims 64
+    and 128) equal numpy's float64 attention under the block mask to the dtype's rounding; the same bits again
+    under mx.compile; hiding nothing is plain causal attention."""
+    from orpo.engine.attention import span_attention
+    for name, (b, h, kvh, length, d) in {"gqa-d64": (3, 8, 2, 200, 64), "d128": (2, 4, 1, 130, 128)}.items():
+        q, k, v = qkv(b, h, kvh, length, d, seed=51)
+        spans, keep = exclusion_case(b, length, 52)
+        cot = mx.array(np.random.default_rng(53).normal(size=q.shape).astype(np.float32))
+        half = [x.astype(dtype) for x in (q, k, v)]
+
+        def loss(q, k, v):
+            return (span_attention(q, k, v, SCALE, spans).astype(mx.float32) * cot).sum()
+
+        out = span_attention(*half, SCALE, spans).astype(mx.float32)
+        want = numpy_attention(q, k, v, SCALE, mx.array(keep))
+        # inputs, P and the output rounded to the dtype: relative norms of about 1e-2 at most
+        assert np.linalg.norm(np.array(out) - want) / np.linalg.norm(want) < 2e-2, name
+        assert np.abs(numpy_attention(q, k, v, SCALE, "causal") - want).max() > 0.1  # the spans hide something
+        step = mx.compile(mx.grad(loss, argnums=(0, 1, 2)))
+        got = [np.array(x.astype(mx.float32)) for x in step(*half)]
+        for part, g, w in zip("qkv", got, numpy_attention_grads(q, k, v, SCALE, mx.array(keep), cot)):
+            assert np.linalg.norm(g - w) / np.linalg.norm(w) < 3e-2, (name, part)
+        for g, again in zip(got, step(*half)):
+            np.testing.assert_array_equal(g, np.array(again.astype(mx.float32)))
+        nothing = span_attention(*half, SCALE, flash.no_spans(b)).astype(mx.float32)
+        causal = mx.fast.scaled_dot_product_attention(*half, scale=SCALE, mask="causal").astype(mx.float32)
+        assert np.linalg.norm(np.array(nothing) - np.array(causal)) / np.linalg.norm(np.array(causal)) < 2e-2, name
+
+
+def test_tight_rows_at_head_dim_128_give_the_hidden_states_of_separate_forwards():
+    """A bf16 model of head dim 128 (Mistral-7B's: the exclusion dims do not fit cuDNN) takes tight prefix rows
+    through hidden spans, and its rows' hidden states equal the plain [chosen; rejected] rows' to bf16 rounding."""
+    from test_engine_stack import random_pairs, tiny_model, with_unshared_pair
+
+    from orpo.engine.attention import HiddenSpans
+    from orpo.engine.stack import Stack
+    from orpo.train.rows import plain_rows, shared_rows
+    from orpo.train.step import tight_rows_fit
+    model = tiny_model("llama", head_dim=128)
+    model.set_dtype(mx.bfloat16)
+    assert tight_rows_fit(model)
+    pairs = with_unshared_pair(random_pairs(7, 5), 2)
+    stack = Stack(model)
+    plain, shared = plain_rows(pairs, 128), shared_rows(pairs, 128)  # targets padded to one rung
+    assert shared.layout.split is None and shared.layout.tokens.shape[0] == len(pairs)  # tight rows
+    assert all(isinstance(m, HiddenSpans) for m in stack.masks(shared.layout, stack.embed(shared.layout.tokens)))
+
+    def gathered(packed) -> np.ndarray:
+        h = stack.hidden(packed.layout).astype(mx.float32)
+        return np.array(h.reshape(-1, h.shape[-1])[packed.index])
+
+    want, got = gathered(plain), gathered(shared)
+    assert np.linalg.norm(got - want) / np.linalg.norm(want) < 2e-2

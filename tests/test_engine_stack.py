@@ -113,8 +113,8 @@ def test_shared_rows_give_the_hidden_states_of_separate_forwards(variant):
     # Controls: rejected positions not restarted, or rejected seeing chosen, change the hidden states.
     lay = shared.layout
     physical = mx.broadcast_to(mx.arange(lay.tokens.shape[1], dtype=mx.int32)[None], lay.positions.shape)
-    for broken in (Layout(lay.tokens, physical, lay.restricted, lay.hidden_keys),
-                   Layout(lay.tokens, lay.positions, lay.restricted, mx.zeros_like(lay.hidden_keys))):
+    for broken in (Layout(lay.tokens, physical, lay.hidden_spans),
+                   Layout(lay.tokens, lay.positions, mx.zeros_like(lay.hidden_spans))):
         h = stack.hidden(broken)
         assert np.abs(np.array(h.reshape(-1, h.shape[-1])[shared.index]) - want).max() > 1e-3
 
@@ -161,7 +161,7 @@ def test_shared_rows_layout_and_its_attentions(multiple, attention):
     want = np.array(by_mask.reshape(-1, by_mask.shape[-1])[packed.index])
     layouts = [lay]
     if attention == "split":  # the same aligned rows without their SplitRows: attended with the exclusion dims
-        layouts.append(Layout(lay.tokens, lay.positions, lay.restricted, lay.hidden_keys))
+        layouts.append(Layout(lay.tokens, lay.positions, lay.hidden_spans))
         assert all(isinstance(mask, ExclusionMask) for mask in stack.masks(layouts[-1], h0))
     for each in layouts:
         h = stack.hidden(each)
@@ -224,7 +224,7 @@ def test_sliding_window_uses_logical_positions():
     pairs.prompt[0], pairs.chosen[0], pairs.chosen_mask[0] = pairs.prompt[0][:4], list(range(1, 20)), [1] * 19
     layout = shared_rows(pairs).layout
     pos, vis = np.array(layout.positions[0]), np.array(layout.visible()[0])
-    q = int(np.nonzero(np.array(layout.restricted[0]))[0][0])  # rejected's first own token
+    q = int(layout.hidden_spans[0, 1])  # rejected's first own token
     assert pos[q] == 4 and q - 4 > WINDOW  # logically next to the prompt, physically far from it
     masks = Stack(tiny_model("gemma3_text")).masks(layout, mx.zeros((1, pos.size, 1)))
     local = np.array(masks[0])[0, 0] == 0  # additive for MLX's attention: 0 where visible, -inf elsewhere
@@ -241,24 +241,34 @@ def test_unsupported_model_is_refused_with_its_type():
         Stack(Other())
 
 
-def test_tight_rows_only_where_the_exclusion_dims_keep_attention_fused(monkeypatch):
+def test_tight_rows_only_where_their_attention_runs_fused(monkeypatch):
     """On CUDA, MLX's fused attention takes head dims up to 128: the exclusion's 8 extra dims fit a head dim
-    of 64, not of 128. Where they do not fit, auto rows of pairs of their own lengths are the plain
-    two-forward rows (nothing shared) and an explicit exclusion is refused with the reason."""
+    of 64, not of 128, where our kernels take the tight rows as hidden spans (bf16/fp16 only). Where neither
+    fits, auto rows of pairs of their own lengths are the plain two-forward rows (nothing shared) and an explicit
+    exclusion is refused with the reason."""
     import orpo.train.step as objective
-    from orpo.engine.attention import exclusion_fits
+    from orpo.engine import attention, flash
+    from orpo.engine.attention import ExclusionMask, HiddenSpans, exclusion_fits
     assert exclusion_fits(64, cuda=True) and exclusion_fits(120, cuda=True) and not exclusion_fits(128, cuda=True)
     assert exclusion_fits(128, cuda=False) and exclusion_fits(256, cuda=False)
     varied = random_pairs(6, 4)
     plain = shared_rows(varied, tight=False)
     assert plain.layout.plain and plain.layout.tokens.shape[0] == 2 * len(varied)
     assert np.array_equal(np.array(plain.targets), np.array(plain_rows(varied).targets))
-    assert not shared_rows(varied).layout.plain  # tight rows where they fit
-    wide = tiny_model("llama", head_dim=128)
-    monkeypatch.setattr(objective, "on_cuda", lambda: True)  # the decision as a CUDA machine takes it
-    assert not objective.tight_rows_fit(wide) and objective.tight_rows_fit(tiny_model("llama"))
+    tight = shared_rows(varied).layout
+    assert not tight.plain  # tight rows where they fit
+    wide, wide_bf16 = tiny_model("llama", head_dim=128), tiny_model("llama", head_dim=128)
+    wide_bf16.set_dtype(mx.bfloat16)
+    for module in (objective, attention, flash):  # the decisions as a CUDA machine takes them
+        monkeypatch.setattr(module, "on_cuda", lambda: True)
+    assert objective.tight_rows_fit(tiny_model("llama")) and objective.tight_rows_fit(wide_bf16)
+    assert not objective.tight_rows_fit(wide)  # float32: neither the exclusion dims nor our kernels
+    h = mx.zeros((*tight.tokens.shape, 1), mx.bfloat16)
+    assert all(isinstance(m, HiddenSpans) for m in Stack(wide_bf16).masks(tight, h))
+    assert all(isinstance(m, ExclusionMask) for m in Stack(tiny_model("llama")).masks(tight, h))
     from orpo.train.settings import engine_settings
     e = objective.resolve_engine(engine_settings({"prefix_attention": "exclusion"}))
-    with pytest.raises(ValueError, match="exclusion widens this model's head dim \\(128\\)"):
+    with pytest.raises(ValueError, match="exclusion rows of this model \\(head dim 128, mlx.core.float32\\)"):
         objective.check_attention(wide, e)
+    objective.check_attention(wide_bf16, e)
     objective.check_attention(wide, dataclasses.replace(e, prefix_attention="auto"))

@@ -236,6 +236,32 @@ def test_cache_policy_holds_the_memory_limit_at_the_ceiling_and_restores_both():
         mx.set_memory_limit(before)
 
 
+def test_device_memory_reads_the_key_each_backend_reports(monkeypatch):
+    """Metal reports memory_size, CUDA total_memory (MLX 0.32's device_info on an H100 measured 85,520,809,984);
+    reading only the first took the host's RAM for a GPU's memory and sized plans and the cache for it."""
+    import orpo.device
+
+    for info in ({"memory_size": 17 * 2**30}, {"total_memory": 85_520_809_984, "free_memory": 84_465_090_560}):
+        monkeypatch.setattr(orpo.device.mx, "device_info", lambda info=info: info)
+        assert orpo.device.device_memory() == next(iter(info.values()))
+
+
+def test_auto_cache_leaves_room_for_the_predicted_peak():
+    """After a step, auto caches at most what is left under the ceiling beside the run's predicted peak (a wider
+    micro-batch later needs it), not beside the first step's smaller peak; without a prediction it caches more."""
+    from orpo.train.memory import HEADROOM, cache_policy, device_memory
+
+    limits = {}
+    for planned in ("near the ceiling", "none"):
+        with cache_policy("auto") as policy:
+            ceiling = int(min(HEADROOM * device_memory(), mx.get_memory_limit()))
+            policy.start(ceiling - 10**6 if planned != "none" else 0)
+            mx.eval(mx.zeros((2**22,)) + 1)  # a 16 MB working set: the step's peak above the resident arrays
+            policy.update(1)
+            limits[planned] = policy.limit
+    assert 0 <= limits["near the ceiling"] <= 10**6 < 2 * 2**24 <= limits["none"], limits
+
+
 def predicted_at(sess, extent=None, **engine):
     """The session's predicted peak with `engine`'s values in place of its own (at `extent` where given)."""
     from orpo.train.footprint import predict_memory

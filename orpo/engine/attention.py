@@ -1,7 +1,8 @@
-"""How prefix-sharing rows attend (SplitRows, ExclusionMask), and an attention backward in a fixed order.
+"""How prefix-sharing rows attend (SplitRows, ExclusionMask, HiddenSpans), and an attention backward in a fixed order.
 
-Both masks keep MLX's fused causal attention (cuDNN's forward and backward on CUDA) instead of a mask array;
-`ordered_attention` sums its gradients in a fixed order, for replays that are bit-exact on CUDA.
+SplitRows and ExclusionMask keep MLX's fused causal attention (cuDNN's forward and backward on CUDA) instead of a
+mask array; where the exclusion's extra head dims do not fit it, HiddenSpans runs our own kernels
+(orpo.engine.flash). `ordered_attention` sums its gradients in a fixed order, for replays that are bit-exact on CUDA.
 """
 
 from __future__ import annotations
@@ -12,7 +13,8 @@ from typing import Any
 
 import mlx.core as mx
 
-from orpo.engine.flash import flash_backward, flash_fits
+from orpo.device import on_cuda
+from orpo.engine.flash import flash_backward, flash_fits, flash_forward, spans_fit
 
 
 # Extra head dims carrying the exclusion (cuDNN wants head dims in multiples of 8), and the magnitude in
@@ -34,6 +36,11 @@ def exclusion_fits(head_dim: int, cuda: bool) -> bool:
     return not cuda or head_dim + EXCLUSION_DIMS <= CUDNN_MAX_HEAD_DIM
 
 
+def tight_attention_fits(head_dim: int, dtype: mx.Dtype, cuda: bool) -> bool:
+    """Whether tight prefix rows attend fused here: by the exclusion dims, or on CUDA by our kernels' spans."""
+    return exclusion_fits(head_dim, cuda) or (cuda and spans_fit(head_dim, dtype))
+
+
 @dataclass(frozen=True, eq=False)
 class ExclusionMask:
     """Causal attention in which flagged queries cannot see penalised keys, run as one causal sdpa: extra head dims
@@ -43,12 +50,47 @@ class ExclusionMask:
     keys: mx.array
 
 
-def exclusion_mask(flagged: mx.array, excluded: mx.array, dtype: mx.Dtype) -> ExclusionMask:
-    """An ExclusionMask from per-row booleans: `flagged` [B, L] queries may not see `excluded` [B, L] keys."""
+@dataclass(frozen=True, eq=False)
+class HiddenSpans:
+    """Causal attention in which row b's queries from spans[b, 1] on cannot see its keys spans[b, 0] ..
+    spans[b, 1] - 1 ([B, 2] int32), run by our CUDA kernels (`span_attention`)."""
+
+    spans: mx.array
+
+
+def exclusion_mask(spans: mx.array, length: int, dtype: mx.Dtype) -> ExclusionMask:
+    """The ExclusionMask of hidden spans [B, 2] over rows of `length` tokens."""
+    pos = mx.arange(length)[None]
+    flagged = pos >= spans[:, 1:]
+    excluded = (pos >= spans[:, :1]) & ~flagged
     shape = (*flagged.shape, EXCLUSION_DIMS)
     q = mx.broadcast_to(flagged[..., None], shape).astype(dtype) * EXCLUSION_SCALE
     k = mx.broadcast_to(excluded[..., None], shape).astype(dtype) * -EXCLUSION_SCALE
     return ExclusionMask(q[:, None], k[:, None])
+
+
+def tight_mask(spans: mx.array, length: int, head_dim: int, dtype: mx.Dtype) -> ExclusionMask | HiddenSpans:
+    """How rows with hidden spans attend here: the exclusion dims where they keep MLX's fused attention (as fast
+    as our kernels in the product where both run, bench/README.md), else on CUDA our kernels' HiddenSpans."""
+    if exclusion_fits(head_dim, on_cuda()) or not spans_fit(head_dim, dtype):
+        return exclusion_mask(spans, length, dtype)
+    return HiddenSpans(spans)
+
+
+def span_attention(q: mx.array, k: mx.array, v: mx.array, scale: float, spans: mx.array) -> mx.array:
+    """Causal attention under hidden spans [B, 2] through our kernels: forward, and the ordered backward."""
+
+    @mx.custom_function
+    def fn(q: mx.array, k: mx.array, v: mx.array, spans: mx.array) -> mx.array:
+        return flash_forward(q, k, v, scale, True, spans)
+
+    @fn.vjp
+    def fn_vjp(primals: list[mx.array], cotangent: mx.array, output: mx.array) -> tuple[mx.array, ...]:
+        q, k, v, spans = primals
+        delta = (cotangent.astype(mx.float32) * output.astype(mx.float32)).sum(axis=-1)
+        return (*flash_backward(q, k, v, scale, True, cotangent, delta, spans), mx.zeros_like(spans))
+
+    return fn(q, k, v, spans)
 
 
 @dataclass(frozen=True)
@@ -178,9 +220,11 @@ def attend(queries: mx.array, keys: mx.array, values: mx.array, scale: float, ma
            ordered: bool = False) -> mx.array:
     """Scaled dot-product attention of q [B, H, L, D], k/v [B, kv heads, L, D] under any mask the engine builds.
 
-    SplitRows and ExclusionMask run as causal attentions; anything else goes to mx.fast's attention as mlx-lm's
-    layers call it. `ordered`: each attention is `ordered_attention`.
+    SplitRows and ExclusionMask run as causal attentions, HiddenSpans as our kernels'; anything else goes to mx.fast's
+    attention as mlx-lm's layers call it. `ordered`: each attention is `ordered_attention`.
     """
+    if isinstance(mask, HiddenSpans):
+        return span_attention(queries, keys, values, scale, mask.spans)
     sdpa = ordered_attention if ordered else mx.fast.scaled_dot_product_attention
     if isinstance(mask, SplitRows):
         causal = lambda q, k, v: sdpa(q, k, v, scale=scale, mask="causal")  # noqa: E731

@@ -13,7 +13,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from orpo.engine.attention import ExclusionMask
+from orpo.engine.attention import ExclusionMask, HiddenSpans
 from orpo.engine.stack import Layout
 
 
@@ -38,7 +38,7 @@ def kept_count(owner: nn.Module) -> int:
     return len(_kept(owner))
 
 
-LAYOUT_FIELDS = ("tokens", "positions", "restricted", "hidden_keys")
+LAYOUT_FIELDS = ("tokens", "positions", "hidden_spans")
 
 
 def layout_arrays(layout: Layout) -> tuple[tuple[Hashable, ...], dict[str, mx.array]]:
@@ -53,13 +53,17 @@ def layout_from(structure: tuple[Hashable, ...], arrays: dict[str, mx.array]) ->
 
 
 def mask_arrays(masks: list[Any]) -> tuple[tuple[Hashable, ...], list[mx.array]]:
-    """(kind key, arrays) of layer masks: "causal", None and SplitRows are keys, arrays and ExclusionMasks arrays."""
+    """(kind key, arrays) of layer masks: "causal", None and SplitRows are keys; arrays, ExclusionMasks and
+    HiddenSpans arrays."""
     spec: list[Hashable] = []
     arrays: list[mx.array] = []
     for m in masks:
         if isinstance(m, ExclusionMask):
             spec.append(("exclusion", len(arrays)))
             arrays.extend([m.queries, m.keys])
+        elif isinstance(m, HiddenSpans):
+            spec.append(("spans", len(arrays)))
+            arrays.append(m.spans)
         elif isinstance(m, mx.array):
             spec.append(("array", len(arrays)))
             arrays.append(m)
@@ -74,6 +78,8 @@ def masks_from(spec: tuple[Hashable, ...], arrays: list[mx.array]) -> list[Any]:
     for s in spec:
         if isinstance(s, tuple) and s[0] == "exclusion":
             out.append(ExclusionMask(arrays[s[1]], arrays[s[1] + 1]))
+        elif isinstance(s, tuple) and s[0] == "spans":
+            out.append(HiddenSpans(arrays[s[1]]))
         elif isinstance(s, tuple) and s[0] == "array":
             out.append(arrays[s[1]])
         else:

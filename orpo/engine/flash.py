@@ -1,4 +1,6 @@
-"""Causal (or unmasked) attention's backward as two CUDA kernels that keep the scores on chip, summing in a fixed order.
+"""Causal (or unmasked) attention as CUDA kernels that keep the scores on chip: a forward, and a backward summing in
+a fixed order. Both take per-row hidden key spans (prefix rows: rejected's queries blind to chosen's keys), which
+no head-dim trick needs, so they run at any head dim up to 128.
 
 `flash_backward` gives what `attention.ordered_backward` gives (the same products, bf16 or fp16 operands, float32
 sums) without writing a block's float32 scores to memory: one kernel per query block recomputes the row's
@@ -120,6 +122,13 @@ __device__ __forceinline__ void fab_scores(float (*s)[4], const T* a, const T* b
   }
 }
 
+// Whether query r sees key `key`: inside the rows, causal (bottom-right aligned by `offset`) where asked, and
+// not inside the row's hidden span [hs, he) once the query is past its end (prefix rows: rejected never sees chosen).
+template <bool CAUSAL>
+__device__ __forceinline__ bool fab_sees(int r, int key, int L, int S, int offset, int hs, int he) {
+  return r < L && key < S && (!CAUSAL || key <= r + offset) && !(r + offset >= he && key >= hs && key < he);
+}
+
 // acc[D/8][4] += P (the warp's 16 x K, as score fragments) * M (K rows of a [.., D] tile).
 template <typename T, int D, int K>
 __device__ __forceinline__ void fab_accumulate(float (*acc)[4], const float (*p)[4], const T* m, int g, int t) {
@@ -141,31 +150,15 @@ __device__ __forceinline__ void fab_accumulate(float (*acc)[4], const float (*p)
     }
   }
 }
-"""
 
-# One query block a thread block: pass 1 its rows' log-sum-exp (base 2, of scale * log2(e) * scores), pass 2 dQ.
-_DQ_SOURCE = r"""
-  constexpr int BR = DQ_ROWS, BC = DQ_KEYS, SK = DK + FAB_PAD, SV = DV + FAB_PAD;
-  extern __shared__ __align__(16) unsigned char fab_smem[];
-  T* sQ = reinterpret_cast<T*>(fab_smem);
-  T* sO = sQ + BR * SK;
-  T* sK = sO + BR * SV;  // two key blocks: the one read and the next, copied meanwhile
-  T* sV = sK + 2 * BC * SK;
-  const int H = q_shape[1], L = q_shape[2], KVH = k_shape[1], S = k_shape[2];
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane >> 2, t = lane & 3;
-  // Causal: the last query blocks see the most keys; blocks start in order of x, so they take x = 0 first.
-  const int q0 = (CAUSAL ? gridDim.x - 1 - blockIdx.x : blockIdx.x) * BR, h = blockIdx.y, b = blockIdx.z;
-  const int kvh = h / (H / KVH), offset = S - L;
-  const size_t bh = (size_t)b * H + h, bkv = (size_t)b * KVH + kvh;
-  const float sl = scale[0] * FAB_LOG2E;
-  fab_load<T, DK>(sQ, q + bh * L * DK, q0, BR, L);
-  fab_load<T, DV>(sO, dout + bh * L * DV, q0, BR, L);
-  const int row[2] = {q0 + warp * 16 + g, q0 + warp * 16 + g + 8};
-  const int kend = CAUSAL ? min(S, q0 + BR + offset) : S;
+// Pass 1 of a query block: the log-sum-exp (base 2, of sl * scores) of the warp's rows row[0], row[1] over the
+// keys below kend they see, key blocks double-buffered in sK (2 * BC rows).
+template <typename T, int DK, int BC, bool CAUSAL>
+__device__ __forceinline__ void fab_rows_lse(float* lse, const T* sQw, T* sK, const T* kg, const int* row, int L,
+                                             int S, int offset, int hs, int he, int kend, float sl, int g, int t) {
+  constexpr int SK = DK + FAB_PAD;
   float m[2] = {fab_neg_inf(), fab_neg_inf()}, l[2] = {0.f, 0.f};
-  float s[BC / 8][4], dp[BC / 8][4];
-  const T* kg = k + bkv * S * DK;
-  const T* vg = v + bkv * S * DV;
+  float s[BC / 8][4];
   const int blocks = (kend + BC - 1) / BC;
   fab_load_async<T, DK>(sK, kg, 0, BC, S);
   fab_commit();
@@ -179,14 +172,13 @@ _DQ_SOURCE = r"""
       fab_wait<0>();
     }
     __syncthreads();
-    fab_scores<T, DK, BC>(s, sQ + warp * 16 * SK, sK + (j & 1) * BC * SK, g, t);
+    fab_scores<T, DK, BC>(s, sQw, sK + (j & 1) * BC * SK, g, t);
     float top[2] = {fab_neg_inf(), fab_neg_inf()};
 #pragma unroll
     for (int n = 0; n < BC / 8; ++n)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        int r = row[e >> 1], key = k0 + n * 8 + t * 2 + (e & 1);
-        bool ok = r < L && key < S && (!CAUSAL || key <= r + offset);
+        bool ok = fab_sees<CAUSAL>(row[e >> 1], k0 + n * 8 + t * 2 + (e & 1), L, S, offset, hs, he);
         s[n][e] = ok ? s[n][e] * sl : fab_neg_inf();
         top[e >> 1] = fmaxf(top[e >> 1], s[n][e]);
       }
@@ -204,19 +196,28 @@ _DQ_SOURCE = r"""
     }
     __syncthreads();  // the next copy overwrites this block's buffer
   }
-  float lse[2], dl[2];
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
     l[i] += __shfl_xor_sync(0xffffffff, l[i], 1);
     l[i] += __shfl_xor_sync(0xffffffff, l[i], 2);
     lse[i] = m[i] + log2f(l[i]);
-    dl[i] = row[i] < L ? delta[bh * L + row[i]] : 0.f;
-    if (t == 0 && row[i] < L) lse_out[bh * L + row[i]] = lse[i];
   }
-  float acc[DK / 8][4];
-#pragma unroll
-  for (int n = 0; n < DK / 8; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;
-  fab_load_async<T, DK>(sK, kg, 0, BC, S);
+}
+"""
+
+# The query-block kernels' indices: this block's queries, head, row, key head, and the row's hidden span.
+_QUERY_BLOCK = r"""  const int H = q_shape[1], L = q_shape[2], KVH = k_shape[1], S = k_shape[2];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane >> 2, t = lane & 3;
+  // Causal: the last query blocks see the most keys; blocks start in order of x, so they take x = 0 first.
+  const int q0 = (CAUSAL ? gridDim.x - 1 - blockIdx.x : blockIdx.x) * BR, h = blockIdx.y, b = blockIdx.z;
+  const int kvh = h / (H / KVH), offset = S - L;
+  const size_t bh = (size_t)b * H + h, bkv = (size_t)b * KVH + kvh;
+  const float sl = scale[0] * FAB_LOG2E;
+  const int hs = spans[2 * b], he = spans[2 * b + 1];
+"""
+
+# Their pass 2's walk over key blocks, K and V double-buffered: block j is read while block j + 1 is copied.
+_KEY_BLOCKS = r"""  fab_load_async<T, DK>(sK, kg, 0, BC, S);
   fab_load_async<T, DV>(sV, vg, 0, BC, S);
   fab_commit();
   for (int j = 0; j < blocks; ++j) {
@@ -230,6 +231,36 @@ _DQ_SOURCE = r"""
       fab_wait<0>();
     }
     __syncthreads();
+"""
+
+# One query block a thread block: pass 1 its rows' log-sum-exp (base 2, of scale * log2(e) * scores), pass 2 dQ.
+_DQ_SOURCE = r"""
+  constexpr int BR = DQ_ROWS, BC = DQ_KEYS, SK = DK + FAB_PAD, SV = DV + FAB_PAD;
+  extern __shared__ __align__(16) unsigned char fab_smem[];
+  T* sQ = reinterpret_cast<T*>(fab_smem);
+  T* sO = sQ + BR * SK;
+  T* sK = sO + BR * SV;  // two key blocks: the one read and the next, copied meanwhile
+  T* sV = sK + 2 * BC * SK;
+""" + _QUERY_BLOCK + r"""
+  fab_load<T, DK>(sQ, q + bh * L * DK, q0, BR, L);
+  fab_load<T, DV>(sO, dout + bh * L * DV, q0, BR, L);
+  const int row[2] = {q0 + warp * 16 + g, q0 + warp * 16 + g + 8};
+  const int kend = CAUSAL ? min(S, q0 + BR + offset) : S;
+  float s[BC / 8][4], dp[BC / 8][4];
+  const T* kg = k + bkv * S * DK;
+  const T* vg = v + bkv * S * DV;
+  const int blocks = (kend + BC - 1) / BC;
+  float lse[2], dl[2];
+  fab_rows_lse<T, DK, BC, CAUSAL>(lse, sQ + warp * 16 * SK, sK, kg, row, L, S, offset, hs, he, kend, sl, g, t);
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    dl[i] = row[i] < L ? delta[bh * L + row[i]] : 0.f;
+    if (t == 0 && row[i] < L) lse_out[bh * L + row[i]] = lse[i];
+  }
+  float acc[DK / 8][4];
+#pragma unroll
+  for (int n = 0; n < DK / 8; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;
+""" + _KEY_BLOCKS + r"""
     const T* cK = sK + (j & 1) * BC * SK;
     fab_scores<T, DK, BC>(s, sQ + warp * 16 * SK, cK, g, t);
     fab_scores<T, DV, BC>(dp, sO + warp * 16 * SV, sV + (j & 1) * BC * SV, g, t);
@@ -237,8 +268,7 @@ _DQ_SOURCE = r"""
     for (int n = 0; n < BC / 8; ++n)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        int r = row[e >> 1], key = k0 + n * 8 + t * 2 + (e & 1);
-        bool ok = r < L && key < S && (!CAUSAL || key <= r + offset);
+        bool ok = fab_sees<CAUSAL>(row[e >> 1], k0 + n * 8 + t * 2 + (e & 1), L, S, offset, hs, he);
         float p = ok ? exp2f(s[n][e] * sl - lse[e >> 1]) : 0.f;
         s[n][e] = p * (dp[n][e] - dl[e >> 1]);
       }
@@ -256,6 +286,46 @@ _DQ_SOURCE = r"""
   }
 """
 
+# The forward, one query block a thread block: pass 1 its rows' log-sum-exp, pass 2 O = softmax(scores) V.
+_FORWARD_SOURCE = r"""
+  constexpr int BR = DQ_ROWS, BC = DQ_KEYS, SK = DK + FAB_PAD, SV = DV + FAB_PAD;
+  extern __shared__ __align__(16) unsigned char fab_smem[];
+  T* sQ = reinterpret_cast<T*>(fab_smem);
+  T* sK = sQ + BR * SK;  // two key blocks (and their values): the one read and the next, copied meanwhile
+  T* sV = sK + 2 * BC * SK;
+""" + _QUERY_BLOCK + r"""
+  fab_load<T, DK>(sQ, q + bh * L * DK, q0, BR, L);
+  const int row[2] = {q0 + warp * 16 + g, q0 + warp * 16 + g + 8};
+  const int kend = CAUSAL ? min(S, q0 + BR + offset) : S;
+  const T* kg = k + bkv * S * DK;
+  const T* vg = v + bkv * S * DV;
+  const int blocks = (kend + BC - 1) / BC;
+  float lse[2], s[BC / 8][4], acc[DV / 8][4];
+  fab_rows_lse<T, DK, BC, CAUSAL>(lse, sQ + warp * 16 * SK, sK, kg, row, L, S, offset, hs, he, kend, sl, g, t);
+#pragma unroll
+  for (int n = 0; n < DV / 8; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;
+""" + _KEY_BLOCKS + r"""
+    fab_scores<T, DK, BC>(s, sQ + warp * 16 * SK, sK + (j & 1) * BC * SK, g, t);
+#pragma unroll
+    for (int n = 0; n < BC / 8; ++n)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        bool ok = fab_sees<CAUSAL>(row[e >> 1], k0 + n * 8 + t * 2 + (e & 1), L, S, offset, hs, he);
+        s[n][e] = ok ? exp2f(s[n][e] * sl - lse[e >> 1]) : 0.f;
+      }
+    fab_accumulate<T, DV, BC>(acc, s, sV + (j & 1) * BC * SV, g, t);
+    __syncthreads();
+  }
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    if (row[i] >= L) continue;
+    T* o = out + (bh * L + row[i]) * DV;
+#pragma unroll
+    for (int n = 0; n < DV / 8; ++n)
+      *reinterpret_cast<unsigned*>(o + n * 8 + t * 2) = fab_pack(acc[n][2 * i], acc[n][2 * i + 1], o);
+  }
+"""
+
 # One key block of one key head a thread block: dK and dV summed over its query heads and query blocks in order.
 _DKV_SOURCE = r"""
   constexpr int BC = KV_KEYS, BR = KV_ROWS, SK = DK + FAB_PAD, SV = DV + FAB_PAD;
@@ -269,6 +339,7 @@ _DKV_SOURCE = r"""
   const int H = q_shape[1], L = q_shape[2], KVH = k_shape[1], S = k_shape[2], G = H / KVH;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane >> 2, t = lane & 3;
   const int k0 = blockIdx.x * BC, h = blockIdx.y, kvh = h / G, b = blockIdx.z, offset = S - L;
+  const int hs = spans[2 * b], he = spans[2 * b + 1];
   const size_t bkv = (size_t)b * KVH + kvh, bh = (size_t)b * H + h;
   const float sl = scale[0] * FAB_LOG2E;
   fab_load<T, DK>(sK, k + bkv * S * DK, k0, BC, S);
@@ -313,8 +384,8 @@ _DKV_SOURCE = r"""
     for (int n = 0; n < BR / 8; ++n)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        int c = n * 8 + t * 2 + (e & 1), r = q0 + c, kk = key[e >> 1];
-        bool ok = r < L && kk < S && (!CAUSAL || kk <= r + offset);
+        int c = n * 8 + t * 2 + (e & 1);
+        bool ok = fab_sees<CAUSAL>(q0 + c, key[e >> 1], L, S, offset, hs, he);
         float p = ok ? exp2f(s[n][e] * sl - cL[c]) : 0.f;
         s[n][e] = p;
         dp[n][e] = p * (dp[n][e] - cD[c]);
@@ -345,16 +416,20 @@ def _tiles_bytes(rows_a: int, rows_b: int, dk: int, dv: int, itemsize: int) -> i
 
 @cache
 def _kernels(dk: int, dv: int, itemsize: int) -> tuple:
-    """The two kernels for head dims (dk, dv) (shared memory is fixed per kernel object)."""
+    """The three kernels for head dims (dk, dv) (shared memory is fixed per kernel object)."""
     dq = mx.fast.cuda_kernel(
-        name=f"orpo_flash_dq_{dk}_{dv}", input_names=["q", "k", "v", "dout", "delta", "scale"],
+        name=f"orpo_flash_dq_{dk}_{dv}", input_names=["q", "k", "v", "dout", "delta", "spans", "scale"],
         output_names=["dq", "lse_out"], source=_DQ_SOURCE, header=_HEADER,
         shared_memory=_tiles_bytes(DQ_ROWS, 2 * DQ_KEYS, dk, dv, itemsize))
     dkv = mx.fast.cuda_kernel(
-        name=f"orpo_flash_dkv_{dk}_{dv}", input_names=["q", "k", "v", "dout", "delta", "lse", "scale"],
+        name=f"orpo_flash_dkv_{dk}_{dv}", input_names=["q", "k", "v", "dout", "delta", "lse", "spans", "scale"],
         output_names=["dk_out", "dv_out"], source=_DKV_SOURCE, header=_HEADER,
         shared_memory=_tiles_bytes(KV_KEYS, 2 * KV_ROWS, dk, dv, itemsize) + 4 * KV_ROWS * 4)
-    return dq, dkv
+    forward = mx.fast.cuda_kernel(
+        name=f"orpo_flash_forward_{dk}_{dv}", input_names=["q", "k", "v", "spans", "scale"],
+        output_names=["out"], source=_FORWARD_SOURCE, header=_HEADER,
+        shared_memory=(DQ_ROWS * (dk + PAD) + 2 * DQ_KEYS * (dk + PAD + dv + PAD)) * itemsize)
+    return dq, dkv, forward
 
 
 # Widest head dim the kernels take (measured up to 128; wider ones would hold their dK and dV sums in spilled
@@ -362,12 +437,15 @@ def _kernels(dk: int, dv: int, itemsize: int) -> tuple:
 MAX_HEAD_DIM = 128
 
 
+def spans_fit(head_dim: int, dtype: mx.Dtype) -> bool:
+    """Whether the kernels take this head dim (padded to 16) and dtype, on CUDA."""
+    return on_cuda() and dtype in (mx.bfloat16, mx.float16) and -(-head_dim // 16) * 16 <= MAX_HEAD_DIM
+
+
 def flash_fits(q: mx.array, k: mx.array, mask: object) -> bool:
-    """Whether `flash_backward` takes this attention: CUDA, half-precision operands, a query/key head dim (the
-    widest: values never carry the exclusion dims) up to MAX_HEAD_DIM once padded to 16, no mask or a causal
-    one whose keys are at least its queries."""
-    return (on_cuda() and q.dtype in (mx.bfloat16, mx.float16) and k.dtype == q.dtype
-            and -(-q.shape[-1] // 16) * 16 <= MAX_HEAD_DIM
+    """Whether `flash_backward` takes this attention: `spans_fit` for the query/key head dim (the widest: values
+    never carry the exclusion dims), k like q, no mask or a causal one whose keys are at least its queries."""
+    return (spans_fit(q.shape[-1], q.dtype) and k.dtype == q.dtype
             and (mask is None or (isinstance(mask, str) and mask == "causal" and k.shape[2] >= q.shape[2])))
 
 
@@ -382,25 +460,37 @@ def _template(dtype: mx.Dtype, dk: int, dv: int, causal: bool) -> list:
             ("KV_KEYS", KV_KEYS), ("KV_ROWS", KV_ROWS)]
 
 
-def dq_and_lse(q: mx.array, k: mx.array, v: mx.array, dout: mx.array, delta: mx.array, scale: mx.array,
-               causal: bool) -> tuple[mx.array, mx.array]:
+def no_spans(batch: int) -> mx.array:
+    """Hidden spans [B, 2] that hide nothing: plain causal (or unmasked) attention."""
+    return mx.zeros((batch, 2), mx.int32)
+
+
+def _padded(q: mx.array, k: mx.array, v: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+    """q, k, v with head dims zero-padded to multiples of 16 for the tensor-core products (zeros change no score)."""
+    dk, dv = -(-q.shape[-1] // 16) * 16, -(-v.shape[-1] // 16) * 16
+    return pad_head_dim(q, dk), pad_head_dim(k, dk), pad_head_dim(v, dv)
+
+
+def dq_and_lse(q: mx.array, k: mx.array, v: mx.array, dout: mx.array, delta: mx.array, spans: mx.array,
+               scale: mx.array, causal: bool) -> tuple[mx.array, mx.array]:
     """The dQ kernel on head dims already multiples of 16: dq like q, and each row's log-sum-exp [B, H, L] (base
-    2, of scale * log2(e) * scores) for `dk_and_dv`. `delta` [B, H, L] float32, `scale` a float32 [1]."""
+    2, of scale * log2(e) * scores) for `dk_and_dv`. `delta` [B, H, L] float32, `spans` [B, 2] int32 (as
+    `flash_forward` takes them), `scale` a float32 [1]."""
     b, h, length, dk = q.shape
     return _kernels(dk, v.shape[-1], q.dtype.size)[0](
-        inputs=[q, k, v, dout, delta, scale], template=_template(q.dtype, dk, v.shape[-1], causal),
+        inputs=[q, k, v, dout, delta, spans, scale], template=_template(q.dtype, dk, v.shape[-1], causal),
         grid=(-(-length // DQ_ROWS) * THREADS, h, b), threadgroup=(THREADS, 1, 1),
         output_shapes=[q.shape, (b, h, length)], output_dtypes=[q.dtype, mx.float32])
 
 
 def dk_and_dv(q: mx.array, k: mx.array, v: mx.array, dout: mx.array, delta: mx.array, lse: mx.array,
-              scale: mx.array, causal: bool) -> tuple[mx.array, mx.array]:
+              spans: mx.array, scale: mx.array, causal: bool) -> tuple[mx.array, mx.array]:
     """The dK/dV kernel, as `dq_and_lse` takes its arguments, given its `lse`: one thread block per key block and
     query head (float32 shares), a key head's shares then summed in head order."""
     b, kvh, keys, dk = k.shape
     h = q.shape[1]
     parts = _kernels(dk, v.shape[-1], q.dtype.size)[1](
-        inputs=[q, k, v, dout, delta, lse, scale], template=_template(q.dtype, dk, v.shape[-1], causal),
+        inputs=[q, k, v, dout, delta, lse, spans, scale], template=_template(q.dtype, dk, v.shape[-1], causal),
         grid=(-(-keys // KV_KEYS) * THREADS, h, b), threadgroup=(THREADS, 1, 1),
         output_shapes=[(b, h, keys, dk), (b, h, keys, v.shape[-1])], output_dtypes=[mx.float32, mx.float32])
 
@@ -414,17 +504,29 @@ def dk_and_dv(q: mx.array, k: mx.array, v: mx.array, dout: mx.array, delta: mx.a
     return summed(parts[0], k.dtype), summed(parts[1], v.dtype)
 
 
+def flash_forward(q: mx.array, k: mx.array, v: mx.array, scale: float, causal: bool, spans: mx.array) -> mx.array:
+    """Softmax attention of q [B, H, L, D] over k/v [B, kv heads, keys, D] (causal bottom-right aligned) in which
+    row b's queries from spans[b, 1] on do not see its keys spans[b, 0] .. spans[b, 1] - 1 (prefix rows:
+    rejected blind to chosen; `no_spans` hides nothing): [B, H, L, D] like q."""
+    qp, kp, vp = _padded(q, k, v)
+    b, h, length, dk = qp.shape
+    out = _kernels(dk, vp.shape[-1], q.dtype.size)[2](
+        inputs=[qp, kp, vp, spans, mx.array([scale], mx.float32)],
+        template=_template(q.dtype, dk, vp.shape[-1], causal), grid=(-(-length // DQ_ROWS) * THREADS, h, b),
+        threadgroup=(THREADS, 1, 1), output_shapes=[(b, h, length, vp.shape[-1])], output_dtypes=[q.dtype])[0]
+    return out[..., :v.shape[-1]]
+
+
 def flash_backward(q: mx.array, k: mx.array, v: mx.array, scale: float, causal: bool, cotangent: mx.array,
-                   delta: mx.array) -> tuple[mx.array, mx.array, mx.array]:
-    """dq, dk, dv of softmax attention (q [B, H, L, D], k/v [B, kv heads, keys, D], causal bottom-right aligned)
-    given the output's cotangent and delta = rowsum(dO * O) [B, H, L] in float32. Head dims are zero-padded to
-    multiples of 16 for the tensor-core products (zeros change no score)."""
+                   delta: mx.array, spans: mx.array | None = None) -> tuple[mx.array, mx.array, mx.array]:
+    """dq, dk, dv of softmax attention (as `flash_forward` takes it; spans None hides nothing) given the output's
+    cotangent and delta = rowsum(dO * O) [B, H, L] in float32."""
     d, dvv = q.shape[-1], v.shape[-1]
-    dk_, dv_ = -(-d // 16) * 16, -(-dvv // 16) * 16
-    qp, kp = pad_head_dim(q, dk_), pad_head_dim(k, dk_)
-    vp, dop = pad_head_dim(v, dv_), pad_head_dim(cotangent.astype(q.dtype), dv_)
+    qp, kp, vp = _padded(q, k, v)
+    dop = pad_head_dim(cotangent.astype(q.dtype), vp.shape[-1])
+    spans = no_spans(q.shape[0]) if spans is None else spans
     scale_arr = mx.array([scale], mx.float32)
     delta = delta.reshape(q.shape[:3]).astype(mx.float32)
-    dq, lse = dq_and_lse(qp, kp, vp, dop, delta, scale_arr, causal)
-    dk, dv = dk_and_dv(qp, kp, vp, dop, delta, lse, scale_arr, causal)
+    dq, lse = dq_and_lse(qp, kp, vp, dop, delta, spans, scale_arr, causal)
+    dk, dv = dk_and_dv(qp, kp, vp, dop, delta, lse, spans, scale_arr, causal)
     return dq[..., :d], dk[..., :d], dv[..., :dvv]

@@ -18,7 +18,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.models.base import create_attention_mask
 
-from orpo.engine.attention import SplitRows, exclusion_mask
+from orpo.engine.attention import SplitRows, tight_mask
 from orpo.engine.forward import FAMILIES, check_mlx_lm, check_parts, family_of, run_layers
 
 
@@ -28,19 +28,24 @@ def head_dim_of(model: nn.Module) -> int:
     return int(getattr(args, "head_dim", None) or args.hidden_size // args.num_attention_heads)
 
 
+def activation_dtype(model: nn.Module) -> mx.Dtype:
+    """The dtype an mlx-lm model's layers compute in: its embedding's (a quantized embedding's scales')."""
+    embed = model.model.embed_tokens
+    return getattr(embed, "scales", embed.weight).dtype
+
+
 @dataclass
 class Layout:
     """Input rows of one forward and, for packed rows, each token's logical position and what it may see.
 
-    Packed rows: `positions[r, i]` the RoPE position of token i, `hidden_keys[r, k]` the keys no
-    `restricted[r, q]` query may see (beyond that, causal); `split`, where the rows are laid out for it, lets
-    attention run as SplitRows.
+    Packed rows: `positions[r, i]` the RoPE position of token i; `hidden_spans[r]` (first, end) the keys row r's
+    queries from `end` on may not see (beyond that, causal: rejected blind to chosen); `split`, where the rows are
+    laid out for it, lets attention run as SplitRows.
     """
 
     tokens: mx.array
     positions: mx.array | None = None
-    restricted: mx.array | None = None
-    hidden_keys: mx.array | None = None
+    hidden_spans: mx.array | None = None
     split: SplitRows | None = None
 
     @property
@@ -51,7 +56,10 @@ class Layout:
         """[B, L, L] booleans: query q may attend to key k (causality included); built on the device."""
         n = self.tokens.shape[1]
         causal = mx.tril(mx.ones((n, n), mx.bool_))[None]
-        return causal & ~(self.restricted[:, :, None] & self.hidden_keys[:, None, :])
+        pos = mx.arange(n)[None]
+        first, end = self.hidden_spans[:, :1], self.hidden_spans[:, 1:]
+        restricted, hidden = pos >= end, (pos >= first) & (pos < end)
+        return causal & ~(restricted[:, :, None] & hidden[:, None, :])
 
 
 # Held while arrays are substituted into modules: two threads interleaving on shared modules would restore
@@ -115,13 +123,15 @@ class Stack:
 
     def masks(self, layout: Layout, h: mx.array) -> list[Any]:
         """One attention mask per layer: the model's own on plain rows; on packed rows SplitRows (aligned rows),
-        exclusion dims (tight rows), or for sliding windows and gemma2's own attention a block mask array."""
+        exclusion dims or hidden spans (tight rows), or for sliding windows and gemma2's own attention a block mask
+        array."""
         built: dict[int | None, Any] = {}
         for w in set(self.windows):
             if layout.plain:
                 built[w] = create_attention_mask(h, None, window_size=w, return_array=self.array_masks)
             elif w is None and not self.array_masks:
-                built[w] = layout.split or exclusion_mask(layout.restricted, layout.hidden_keys, h.dtype)
+                head_dim = head_dim_of(self.model)
+                built[w] = layout.split or tight_mask(layout.hidden_spans, h.shape[1], head_dim, h.dtype)
             else:
                 mask = layout.visible()
                 if w is not None:

@@ -3,8 +3,10 @@
 MLX reuses a cached buffer only for a request of about its size and on a GPU caches up to its memory limit, so
 variable-length batches fill the cache until CUDA's allocator fails (bench/README.md). `auto` caches nothing in
 the first step (a 7B full-parameter step failed with a cache beside its predicted peak), then caps the cache at
-two steps' working sets and at what is left beside the peak under HEADROOM of the device, moved as the peak
-grows; MLX's memory limit stands at that ceiling throughout.
+two steps' working sets and at what is left under HEADROOM of the device beside the larger of the peak so far
+and the run's predicted peak (a later, wider micro-batch needs its room: a 7B LoRA run on an 80 GB GPU failed in
+its second step with the cache sized beside the first step's peak), moved as the peak grows; MLX's memory limit
+stands at that ceiling throughout.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ class CachePolicy:
 
     setting: str | float
     resident: int = 0  # active bytes before the first step: weights, adapters, optimizer state
+    planned: int = 0  # the run's predicted peak (orpo.train.footprint), held free of cache
     peak_seen: int = 0
     limit: int | None = None
     changes: list[dict[str, float]] = field(default_factory=list)
@@ -38,8 +41,10 @@ class CachePolicy:
         if self.setting != "auto":
             self._set(int(self.setting * GB), 0)
 
-    def start(self) -> None:
-        """Note what is resident before the first step (the run's peak counts from here); auto caches nothing yet."""
+    def start(self, planned: int = 0) -> None:
+        """Note what is resident before the first step (the run's peak counts from here) and the run's predicted
+        peak in bytes; auto caches nothing yet."""
+        self.planned = planned
         mx.clear_cache()  # what loading and attaching freed: the step's own buffers are another size
         self.resident = mx.get_active_memory()
         mx.reset_peak_memory()
@@ -55,7 +60,7 @@ class CachePolicy:
             return
         self.peak_seen = peak
         ceiling = min(HEADROOM * device_memory(), mx.get_memory_limit())
-        self._set(int(max(0, min(ceiling - peak, 2 * (peak - self.resident)))), step)
+        self._set(int(max(0, min(ceiling - max(peak, self.planned), 2 * (peak - self.resident)))), step)
 
     def _set(self, limit: int, step: int) -> None:
         if limit != self.limit:

@@ -177,10 +177,11 @@ def _split_rows(shared: list[int], start: int, align: int) -> SplitRows:
 
 
 def _block_layout(tokens: np.ndarray, shared: np.ndarray, starts: np.ndarray, split: SplitRows | None) -> Layout:
-    """Positions, rejected's tokens and the keys rejected may not see, of rows [prompt; chosen own; (pad);
-    rejected own; pad] whose rejected blocks start at `starts` (one column for all rows when aligned)."""
+    """Positions and hidden spans of rows [prompt; chosen own; (pad); rejected own; pad] whose rejected blocks start
+    at `starts` (one column for all rows when aligned): from there on (padding after it too) nothing sees chosen's
+    own keys and the pad after them, shared .. start - 1."""
     pos = np.arange(tokens.shape[1])[None, :]
-    in_rejected = pos >= starts[:, None]  # padding after it too: it sees what rejected sees
-    hidden = (pos >= shared[:, None]) & ~in_rejected  # chosen's own keys and the pad after them
+    in_rejected = pos >= starts[:, None]
     positions = np.where(in_rejected, pos - starts[:, None] + shared[:, None], pos)
-    return Layout(mx.array(tokens), mx.array(positions, mx.int32), mx.array(in_rejected), mx.array(hidden), split)
+    spans = np.stack([shared, starts], axis=1).astype(np.int32)
+    return Layout(mx.array(tokens), mx.array(positions, mx.int32), mx.array(spans), split)

@@ -17,12 +17,12 @@ import mlx.nn as nn
 import numpy as np
 
 from orpo.device import on_cuda, on_gpu
-from orpo.engine.attention import CUDNN_MAX_HEAD_DIM, exclusion_fits
+from orpo.engine.attention import tight_attention_fits
 from orpo.engine.compiled import kept, layout_arrays, layout_from
 from orpo.engine.head import (LMHead, fused_logp_eager, lm_head_of, mean_logps_from_logits, response_mean_logps,
                               token_logp)
 from orpo.engine.segmented import Params, add_into, segmented_value_and_grad
-from orpo.engine.stack import Stack, head_dim_of
+from orpo.engine.stack import Stack, activation_dtype, head_dim_of
 from orpo.train.data import Pairs, pair_batch, pair_lengths, pair_tokens
 from orpo.train.lora import adapters_off, refuse_mlp_dropout
 from orpo.train.objectives import PairLoss, pair_loss_of, pair_objective
@@ -67,16 +67,16 @@ def _resolved(engine: EngineSettings) -> EngineSettings:
 
 
 def tight_rows_fit(model: nn.Module) -> bool:
-    """Whether prefix rows of pairs of their own lengths may be tight here (exclusion dims at full speed)."""
-    return exclusion_fits(head_dim_of(model), on_cuda())
+    """Whether prefix rows of pairs of their own lengths may be tight here (their attention fused)."""
+    return tight_attention_fits(head_dim_of(model), activation_dtype(model), on_cuda())
 
 
 def check_attention(model: nn.Module, engine: EngineSettings) -> None:
     """Refuse a prefix attention that would run MLX's unfused fallback on this model and device."""
     if engine.prefix_sharing is True and engine.prefix_attention == "exclusion" and not tight_rows_fit(model):
-        raise ValueError(f"train.engine.prefix_attention: exclusion widens this model's head dim "
-                         f"({head_dim_of(model)}) past the {CUDNN_MAX_HEAD_DIM} MLX's CUDA attention runs fused "
-                         "(the fallback keeps [B, H, L, L] scores); use auto or split")
+        raise ValueError(f"train.engine.prefix_attention: exclusion rows of this model (head dim "
+                         f"{head_dim_of(model)}, {activation_dtype(model)}) have no fused attention on CUDA (the "
+                         "fallback keeps [B, H, L, L] scores); use auto or split, or compute in bfloat16")
 
 
 # --- pairs -> rows ---

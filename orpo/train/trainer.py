@@ -110,12 +110,13 @@ def work_lock(out_dir: Path) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def bounded_memory(sess: Session) -> Iterator[CachePolicy]:
+def bounded_memory(sess: Session, predicted: dict[str, Any] | None = None) -> Iterator[CachePolicy]:
     """The optimizer attached (its state resident before the first step) and MLX's cache and memory bounded by
-    the run's policy (orpo.train.memory), for training and its replay alike."""
+    the run's policy (orpo.train.memory) beside its predicted peak, for training and its replay alike."""
+    predicted = predicted or sess.plan or predict_memory(sess)
     with cache_policy(sess.engine.cache_limit_gb) as cache:
         sess.update_fn()
-        cache.start()
+        cache.start(predicted["bytes"]["peak"])
         yield cache
 
 
@@ -145,7 +146,7 @@ def _train(sess: Session, record: dict[str, Any], rendered_dir: str | Path, out_
     per_epoch = _steps_per_epoch(sess)
     ckpt_steps = set(_checkpoint_steps(s, sess.total_steps, per_epoch))
     compiles = sess.engine.compile and not sess.engine.plain  # the plain path never compiles
-    with bounded_memory(sess) as cache, \
+    with bounded_memory(sess, predicted) as cache, \
             open(work / "metrics.jsonl", "a", encoding="utf-8") as metrics_file, \
             Trackers(s.report_to, work, record, start) as trackers:
         if start == 0 and index.get("baseline"):

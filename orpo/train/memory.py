@@ -4,9 +4,8 @@ MLX reuses a cached buffer only for a request of about its size and on a GPU cac
 variable-length batches fill the cache until CUDA's allocator fails (bench/README.md). `auto` caches nothing in
 the first step (a 7B full-parameter step failed with a cache beside its predicted peak), then caps the cache at
 two steps' working sets and at what is left under HEADROOM of the device beside the larger of the peak so far
-and the run's predicted peak (a later, wider micro-batch needs its room: a 7B LoRA run on an 80 GB GPU failed in
-its second step with the cache sized beside the first step's peak), moved as the peak grows; MLX's memory limit
-stands at that ceiling throughout.
+and the run's predicted peak (a later, wider micro-batch needs its room: bench/README.md), moved as the peak
+grows; MLX's memory limit stands at that ceiling throughout.
 """
 
 from __future__ import annotations

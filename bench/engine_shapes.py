@@ -12,6 +12,20 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
+# UltraFeedback-like pairs: (median, low, high) of prompt, chosen and rejected lengths; sigma of their logs.
+ULTRAFEEDBACK = ((150, 40, 700), (300, 60, 800), (300, 60, 800))
+SIGMA = 0.8
+
+
+def ultrafeedback_lengths(n: int, seed: int) -> list[tuple[int, int, int]]:
+    """n (prompt, chosen, rejected) lengths, each drawn from its clipped log-normal (seeded)."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    cols = [np.clip(np.round(np.exp(np.log(med) + SIGMA * rng.standard_normal(n))), lo, hi).astype(int)
+            for med, lo, hi in ULTRAFEEDBACK]
+    return [tuple(int(c[i]) for c in cols) for i in range(n)]
+
 
 @dataclass(frozen=True)
 class Shape:

@@ -34,6 +34,15 @@ parameter: the precision `orpo train`'s full mode keeps, its masters float32 und
     /tmp/peervenv/bin/python bench/peer_liger.py --shape cpu-small --check  # CPU smoke
     python bench/peer_liger.py --shape h200 --variants all                 # the weaker configurations too
     python bench/peer_liger.py --shape mistral-7b --method full --json $OUT/peer-full-7b.json
+    python bench/peer_liger.py --shape h200 --lengths ultrafeedback --pairs 512 --json $OUT/peer-uf.json
+
+`--lengths ultrafeedback` trains one epoch of `--pairs` UltraFeedback-like pairs (bench/trainer.py's draw: the same
+lengths) as the peer would with transformers' Trainer: micro-batches of 4 pairs ordered by its
+LengthGroupedSampler (group_by_length, the faster order), [chosen; rejected] rows right-padded to the longest row
+rounded up to a multiple of `--pad-multiple` (TRL's pad_to_multiple_of; right padding needs no attention mask under
+causal attention), the loss divided over 8 micro-batches a step, then clip to norm 1 and AdamW (fused on CUDA) at
+lr 1e-5, 32 pairs a step as `orpo train` does there. Timed per optimizer step; tokens/s count 2 x prompt + chosen +
+rejected per pair, without padding, over the steps after `--skip`.
 """
 
 from __future__ import annotations
@@ -60,6 +69,7 @@ from engine_shapes import (
     format_table,
     random_pair_tokens,
     step_shapes,
+    ultrafeedback_lengths,
 )
 
 LAMBDA = 0.1  # ORPO's lambda (Liger calls it beta): the same weight as bench/engine.py
@@ -292,6 +302,89 @@ def run_case(case: Case, steps: int, warmup: int, seed: int, loss: str, compiled
             "path": describe(config), "config": config, "memory": "cuda allocator" if cuda else "max RSS"}
 
 
+def epoch_batches(shape: Shape, pairs: int, seed: int, batch: int, multiple: int, device: str) -> list[dict[str, Any]]:
+    """One epoch of UltraFeedback-like pairs as the peer's micro-batches, in LengthGroupedSampler's order: tokens
+    [2B, W] ([chosen; rejected] right-padded, W a multiple of `multiple`), targets with -100 on prompt and padding,
+    and the pairs' two-forward tokens."""
+    import numpy as np
+    import torch
+    from transformers.trainer_pt_utils import LengthGroupedSampler
+
+    lengths = ultrafeedback_lengths(pairs, 1)
+    rng = np.random.default_rng(seed)
+    rows = [(rng.integers(0, shape.vocab, p).tolist(), rng.integers(0, shape.vocab, c).tolist(),
+             rng.integers(0, shape.vocab, r).tolist()) for p, c, r in lengths]
+    sampler = LengthGroupedSampler(batch, lengths=[p + max(c, r) for p, c, r in lengths],
+                                   generator=torch.Generator().manual_seed(seed))
+    order = list(sampler)
+    out = []
+    for first in range(0, len(order) - len(order) % batch, batch):
+        chunk = [rows[i] for i in order[first:first + batch]]
+        seqs = [p + c for p, c, _ in chunk] + [p + r for p, _, r in chunk]
+        width = -(-max(map(len, seqs)) // multiple) * multiple
+        tokens = torch.zeros((len(seqs), width), dtype=torch.long)
+        targets = torch.full((len(seqs), width - 1), -100, dtype=torch.long)
+        for k, seq in enumerate(seqs):
+            prompt = len(chunk[k % batch][0])
+            tokens[k, :len(seq)] = torch.tensor(seq)
+            targets[k, prompt - 1:len(seq) - 1] = tokens[k, prompt:len(seq)]
+        out.append({"tokens": tokens.to(device), "targets": targets.to(device),
+                    "two_forward": sum(2 * len(p) + len(c) + len(r) for p, c, r in chunk)})
+    return out
+
+
+def run_epoch(case: Case, epoch: dict[str, Any], seed: int, loss: str, compiled: bool,
+              compile_decoder: str) -> dict[str, Any]:
+    """Train one epoch of `epoch`'s real-length pairs (module docstring), timed per optimizer step."""
+    import resource
+    import statistics
+
+    import torch
+
+    cuda = torch.cuda.is_available()
+    device = "cuda" if cuda else "cpu"
+    config = peer_config(case, loss, compiled, compile_decoder, cuda)
+    model = build_model(case.shape, seed, device, config["checkpointing"], config["adapter_dtype"])
+    base = base_of(model)
+    decoder = torch.compile(base.model) if config["compile_decoder"] else base.model
+    trained = [p for n, p in model.named_parameters() if "lora_" in n]
+    config["lora_param_dtype"] = "/".join(sorted({str(p.dtype).removeprefix("torch.") for p in trained}))
+    micro = epoch_batches(case.shape, epoch["pairs"], seed, epoch["batch"], epoch["pad_multiple"], device)
+    accum = epoch["accum"]
+    loss_fn = loss_function(loss, compiled)
+    opt = torch.optim.AdamW(trained, lr=1e-5, fused=cuda)
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    resident = torch.cuda.memory_allocated() if cuda else _rss_bytes()
+    times, tokens, new_shapes, seen, value = [], [], [], set(), None
+    for first in range(0, len(micro) - accum + 1, accum):
+        group = micro[first:first + accum]
+        widths = {tuple(b["tokens"].shape) for b in group} - seen
+        seen |= widths
+        t0 = time.perf_counter()
+        for b in group:
+            value = step_loss(model, b["tokens"], b["targets"], loss_fn, decoder) / accum
+            value.backward()
+        torch.nn.utils.clip_grad_norm_(trained, 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if cuda:
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+        tokens.append(sum(b["two_forward"] for b in group))
+        new_shapes.append(len(widths))
+    skip = min(epoch["skip"], len(times) - 1)
+    positions = sum(b["tokens"].numel() for b in micro[:len(times) * accum])
+    peak = torch.cuda.max_memory_allocated() if cuda else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return {"step_s": statistics.median(times[skip:]), "tokens_per_s": sum(tokens[skip:]) / sum(times[skip:]),
+            "epoch_s": sum(times), "steps": len(times), "step_times": times, "new_shapes": new_shapes,
+            "shapes": len(seen), "padding": 1 - sum(tokens) / positions, "peak_gb": peak / GB,
+            "extra_gb": (peak - resident) / GB, "resident_gb": resident / GB,
+            "loss": float(value.item()) * accum, "path": describe(config) + "/uf", "config": config,
+            "memory": "cuda allocator" if cuda else "max RSS"}
+
+
 def run_subprocess(suite: str, opts: dict[str, Any], steps: int, warmup: int, seed: int, timeout: int) -> dict[str, Any]:
     """One variant's result from a fresh process; a crash (e.g. CUDA out of memory) or timeout becomes 'failed'."""
     cmd = [sys.executable, str(Path(__file__).resolve()), "--shape", suite, "--child", json.dumps(opts),
@@ -369,6 +462,11 @@ def main() -> None:
     ap.add_argument("--check", action="store_true", help="first check Liger's loss and gradients against the plain loss")
     ap.add_argument("--method", choices=["lora", "full"], default="lora",
                     help="lora: peft LoRA rank 16 on the seven projections; full: every weight, with AdamW's step")
+    ap.add_argument("--lengths", choices=["fixed", "ultrafeedback"], default="fixed",
+                    help="fixed: the suite's step shapes; ultrafeedback: one epoch of real-length pairs (see above)")
+    ap.add_argument("--pairs", type=int, default=512, help="pairs of the ultrafeedback epoch")
+    ap.add_argument("--pad-multiple", type=int, default=128, help="rows padded to a multiple of this (ultrafeedback)")
+    ap.add_argument("--skip", type=int, default=1, help="first optimizer steps left out of the ultrafeedback rates")
     ap.add_argument("--timeout", type=int, default=300, help="seconds per variant before it is reported as failed")
     ap.add_argument("--json", help="write the machine-readable results here")
     ap.add_argument("--child", help=argparse.SUPPRESS)
@@ -378,8 +476,12 @@ def main() -> None:
     a.warmup = suite.warmup if a.warmup is None else a.warmup
     if a.child:
         opts = json.loads(a.child)
-        print(json.dumps(run_case(Case.from_json(opts["case"]), a.steps, a.warmup, a.seed, opts["loss"],
-                                  opts["compiled"], opts["compile_decoder"])), flush=True)
+        case = Case.from_json(opts["case"])
+        if opts.get("epoch"):
+            result = run_epoch(case, opts["epoch"], a.seed, opts["loss"], opts["compiled"], opts["compile_decoder"])
+        else:
+            result = run_case(case, a.steps, a.warmup, a.seed, opts["loss"], opts["compiled"], opts["compile_decoder"])
+        print(json.dumps(result), flush=True)
         return
     try:
         env = environment()
@@ -403,6 +505,14 @@ def main() -> None:
             sys.exit(1)
 
     cases = peer_cases(a.shape, a.loss, a.method)
+    epoch = None
+    if a.lengths == "ultrafeedback":
+        if a.method != "lora":
+            sys.exit("--lengths ultrafeedback: LoRA only")
+        epoch = {"pairs": a.pairs, "batch": 4, "accum": 8, "pad_multiple": a.pad_multiple, "skip": a.skip}
+        # The geometry of the suite's first shape; its batch is the epoch's.
+        cases = [replace(c, name=c.name.split("-P")[0].split("-L")[0] + "-uf", baseline=f"{a.loss}-uf")
+                 for c in cases if c.shape == cases[0].shape]
     if a.dtype:
         cases = [replace(c, shape=replace(c.shape, dtype=a.dtype)) for c in cases]
     if a.variants and a.variants.strip() != "all":
@@ -425,6 +535,7 @@ def main() -> None:
             from orpo.io import write_json  # stdlib only: fine in the torch environment
 
             write_json(a.json, {"bench": "peer_liger", "suite": a.shape, "method": a.method, "loss": a.loss,
+                                "epoch": epoch,
                                 "compiled": compiled,
                                 "compile_decoder": a.compile_decoder,
                                 "steps": a.steps, "warmup": a.warmup, "seed": a.seed, "lambda": LAMBDA,
@@ -434,7 +545,8 @@ def main() -> None:
 
     rows, records = [], []
     for case in cases:
-        opts = {"case": case.to_json(), "loss": a.loss, "compiled": compiled, "compile_decoder": a.compile_decoder}
+        opts = {"case": case.to_json(), "loss": a.loss, "compiled": compiled, "compile_decoder": a.compile_decoder,
+                "epoch": epoch}
         result = run_subprocess(a.shape, opts, a.steps, a.warmup, a.seed, a.timeout)
         note = f"failed: {result['failed']}" if "failed" in result else None
         print(f"  {case.name}: " + (note or f"{result['tokens_per_s']:.0f} tokens/s, peak {result['peak_gb']:.3f} GB"),

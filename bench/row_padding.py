@@ -24,7 +24,7 @@ from orpo.train.data import Pairs, pair_lengths, pair_tokens  # noqa: E402
 from orpo.train.distributed import shard_micro_batches  # noqa: E402
 from orpo.train.settings import engine_settings  # noqa: E402
 from orpo.train.step import prepare, resolve_engine  # noqa: E402
-from trainer import ultrafeedback_lengths  # noqa: E402
+from engine_shapes import ultrafeedback_lengths  # noqa: E402
 
 
 def main() -> None:

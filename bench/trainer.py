@@ -56,25 +56,13 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [p for p in (str(ROOT), str(Path(__file__).resolve().parent)) if p not in sys.path]
 
-from engine_shapes import CPU_SMALL, LLAMA_1B, MISTRAL_7B, Case, Shape  # noqa: E402
+from engine_shapes import (  # noqa: E402
+    CPU_SMALL, LLAMA_1B, MISTRAL_7B, SIGMA, ULTRAFEEDBACK, Case, Shape, ultrafeedback_lengths)
 
 GEOMETRIES = {"h200": LLAMA_1B, "mistral-7b": MISTRAL_7B, "cpu-small": CPU_SMALL}
 LORA = {"rank": 16, "alpha": 32, "dropout": 0.0,
         "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]}
-# (median, low, high) of prompt, chosen and rejected lengths; sigma of their logs.
-ULTRAFEEDBACK = ((150, 40, 700), (300, 60, 800), (300, 60, 800))
-SIGMA = 0.8
 GB = 1e9
-
-
-def ultrafeedback_lengths(n: int, seed: int) -> list[tuple[int, int, int]]:
-    """n (prompt, chosen, rejected) lengths, each drawn from its clipped log-normal (seeded)."""
-    import numpy as np
-
-    rng = np.random.default_rng(seed)
-    cols = [np.clip(np.round(np.exp(np.log(med) + SIGMA * rng.standard_normal(n))), lo, hi).astype(int)
-            for med, lo, hi in ULTRAFEEDBACK]
-    return [tuple(int(c[i]) for c in cols) for i in range(n)]
 
 
 def write_rendered(out: Path, lengths: list[tuple[int, int, int]], vocab: int, seed: int, validation: int = 8) -> None:

@@ -246,6 +246,23 @@ def describe(config: dict[str, Any]) -> str:
     return "/".join(parts + (["ckpt"] if config["checkpointing"] else []))
 
 
+def peer_model(case: Case, seed: int, loss: str, compiled: bool, compile_decoder: str) -> tuple[Any, ...]:
+    """(config, device, model, decoder, trained parameters) of a variant: its model built as `peer_config` says,
+    the decoder torch.compile'd where it says so (lazily: it compiles in the first step, as Liger's chunk does)."""
+    import torch
+
+    cuda = torch.cuda.is_available()
+    device = "cuda" if cuda else "cpu"
+    config = peer_config(case, loss, compiled, compile_decoder, cuda)
+    model = build_model(case.shape, seed, device, config["checkpointing"], config["adapter_dtype"], config["method"],
+                        config["weights_dtype"])
+    base = base_of(model)
+    decoder = torch.compile(base.model) if config["compile_decoder"] else base.model
+    trained = [p for n, p in model.named_parameters() if config["method"] == "full" or "lora_" in n]
+    config["lora_param_dtype"] = "/".join(sorted({str(p.dtype).removeprefix("torch.") for p in trained}))
+    return config, device, model, decoder, trained
+
+
 def run_case(case: Case, steps: int, warmup: int, seed: int, loss: str, compiled: bool,
              compile_decoder: str) -> dict[str, Any]:
     """Time one variant in this process: warm-up (compilation included), then `steps` forward+backward steps
@@ -255,17 +272,8 @@ def run_case(case: Case, steps: int, warmup: int, seed: int, loss: str, compiled
 
     import torch
 
-    cuda = torch.cuda.is_available()
-    device = "cuda" if cuda else "cpu"
-    config = peer_config(case, loss, compiled, compile_decoder, cuda)
-    full = config["method"] == "full"
-    model = build_model(case.shape, seed, device, config["checkpointing"], config["adapter_dtype"], config["method"],
-                        config["weights_dtype"])
-    base = base_of(model)
-    # torch.compile is lazy: the decoder compiles in the first warm-up step, as Liger's chunk does.
-    decoder = torch.compile(base.model) if config["compile_decoder"] else base.model
-    trained = [p for n, p in model.named_parameters() if full or "lora_" in n]
-    config["lora_param_dtype"] = "/".join(sorted({str(p.dtype).removeprefix("torch.") for p in trained}))
+    config, device, model, decoder, _ = peer_model(case, seed, loss, compiled, compile_decoder)
+    cuda, full = device == "cuda", config["method"] == "full"
     tokens, targets = batch(case.shape, seed, device)
     loss_fn = loss_function(loss, compiled)
     # The AdamW state is allocated in the first warm-up step, so it is in the resident memory measured after them.
@@ -341,14 +349,8 @@ def run_epoch(case: Case, epoch: dict[str, Any], seed: int, loss: str, compiled:
 
     import torch
 
-    cuda = torch.cuda.is_available()
-    device = "cuda" if cuda else "cpu"
-    config = peer_config(case, loss, compiled, compile_decoder, cuda)
-    model = build_model(case.shape, seed, device, config["checkpointing"], config["adapter_dtype"])
-    base = base_of(model)
-    decoder = torch.compile(base.model) if config["compile_decoder"] else base.model
-    trained = [p for n, p in model.named_parameters() if "lora_" in n]
-    config["lora_param_dtype"] = "/".join(sorted({str(p.dtype).removeprefix("torch.") for p in trained}))
+    config, device, model, decoder, trained = peer_model(case, seed, loss, compiled, compile_decoder)
+    cuda = device == "cuda"
     micro = epoch_batches(case.shape, epoch["pairs"], seed, epoch["batch"], epoch["pad_multiple"], device)
     accum = epoch["accum"]
     loss_fn = loss_function(loss, compiled)

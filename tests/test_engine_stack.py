@@ -247,7 +247,7 @@ def test_tight_rows_only_where_their_attention_runs_fused(monkeypatch):
     fits, auto rows of pairs of their own lengths are the plain two-forward rows (nothing shared) and an explicit
     exclusion is refused with the reason."""
     import orpo.train.step as objective
-    from orpo.engine import attention, flash
+    from orpo.engine import attention
     from orpo.engine.attention import ExclusionMask, HiddenSpans, exclusion_fits
     assert exclusion_fits(64, cuda=True) and exclusion_fits(120, cuda=True) and not exclusion_fits(128, cuda=True)
     assert exclusion_fits(128, cuda=False) and exclusion_fits(256, cuda=False)
@@ -259,7 +259,7 @@ def test_tight_rows_only_where_their_attention_runs_fused(monkeypatch):
     assert not tight.plain  # tight rows where they fit
     wide, wide_bf16 = tiny_model("llama", head_dim=128), tiny_model("llama", head_dim=128)
     wide_bf16.set_dtype(mx.bfloat16)
-    for module in (objective, attention, flash):  # the decisions as a CUDA machine takes them
+    for module in (objective, attention):  # the decisions as a CUDA machine takes them
         monkeypatch.setattr(module, "on_cuda", lambda: True)
     assert objective.tight_rows_fit(tiny_model("llama")) and objective.tight_rows_fit(wide_bf16)
     assert not objective.tight_rows_fit(wide)  # float32: neither the exclusion dims nor our kernels

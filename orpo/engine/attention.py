@@ -72,9 +72,9 @@ def exclusion_mask(spans: mx.array, length: int, dtype: mx.Dtype) -> ExclusionMa
 def tight_mask(spans: mx.array, length: int, head_dim: int, dtype: mx.Dtype) -> ExclusionMask | HiddenSpans:
     """How rows with hidden spans attend here: the exclusion dims where they keep MLX's fused attention (as fast
     as our kernels in the product where both run, bench/README.md), else on CUDA our kernels' HiddenSpans."""
-    if exclusion_fits(head_dim, on_cuda()) or not spans_fit(head_dim, dtype):
-        return exclusion_mask(spans, length, dtype)
-    return HiddenSpans(spans)
+    if not exclusion_fits(head_dim, on_cuda()) and spans_fit(head_dim, dtype):  # the exclusion fits off CUDA
+        return HiddenSpans(spans)
+    return exclusion_mask(spans, length, dtype)
 
 
 def span_attention(q: mx.array, k: mx.array, v: mx.array, scale: float, spans: mx.array) -> mx.array:

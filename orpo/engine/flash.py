@@ -438,14 +438,14 @@ MAX_HEAD_DIM = 128
 
 
 def spans_fit(head_dim: int, dtype: mx.Dtype) -> bool:
-    """Whether the kernels take this head dim (padded to 16) and dtype, on CUDA."""
-    return on_cuda() and dtype in (mx.bfloat16, mx.float16) and -(-head_dim // 16) * 16 <= MAX_HEAD_DIM
+    """Whether the kernels (CUDA only) take this head dim (padded to 16) and dtype."""
+    return dtype in (mx.bfloat16, mx.float16) and -(-head_dim // 16) * 16 <= MAX_HEAD_DIM
 
 
 def flash_fits(q: mx.array, k: mx.array, mask: object) -> bool:
     """Whether `flash_backward` takes this attention: `spans_fit` for the query/key head dim (the widest: values
     never carry the exclusion dims), k like q, no mask or a causal one whose keys are at least its queries."""
-    return (spans_fit(q.shape[-1], q.dtype) and k.dtype == q.dtype
+    return (on_cuda() and spans_fit(q.shape[-1], q.dtype) and k.dtype == q.dtype
             and (mask is None or (isinstance(mask, str) and mask == "causal" and k.shape[2] >= q.shape[2])))
 
 

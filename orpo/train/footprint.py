@@ -15,6 +15,7 @@ from mlx.utils import tree_flatten
 
 from orpo.device import on_cuda
 from orpo.engine.head import chunk_for
+from orpo.engine.stack import activation_dtype
 from orpo.optim import master_extra_bytes
 from orpo.train.data import Pairs
 from orpo.train.lora import mlp_dropout
@@ -107,11 +108,10 @@ def micro_batch_extent(pairs: Pairs, engine: EngineSettings, tight: bool, nll_sp
 
 def model_activations(model: Any, rows: int, width: int, scored: int, engine: EngineSettings) -> int:
     """`activation_bytes` for `model` as it trains: its compute dtype, and whether its head trains."""
-    norm = getattr(getattr(model, "model", None), "norm", None)  # a float array even in a quantized model
-    dtype = norm.weight.dtype if norm is not None and "weight" in norm else mx.float32
     head_trains = any(k.startswith(("lm_head.", "model.embed_tokens.")) for k, _ in
                       tree_flatten(model.trainable_parameters()))
-    return activation_bytes(model.args, dtype, rows, width, scored, as_dict(engine), head_trains, on_cuda())
+    return activation_bytes(model.args, activation_dtype(model), rows, width, scored, as_dict(engine), head_trains,
+                            on_cuda())
 
 
 def predict_memory(sess: Any, engine: EngineSettings | None = None,

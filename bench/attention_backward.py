@@ -7,9 +7,10 @@ prefix rows' hidden spans, our kernels', and their exclusion dims, cuDNN's forwa
 
     python3 bench/attention_backward.py --json $OUT/attention-backward.json
 
-`--candidates FILE,...` times other versions of orpo/engine/flash.py (each file defines `flash_backward` with its
-signature) beside the product's, with their gradients' largest relative difference from the product kernels' and
-whether two runs give the same bits.
+`--candidates FILE,...` times other versions of orpo/engine/flash.py (each file defines `flash_forward` and
+`flash_backward` with their signatures) beside the product's on the hidden-span rows, forward alone and forward +
+backward, with their outputs' and gradients' largest relative difference from the product kernels' and whether two
+runs give the same bits.
 """
 
 from __future__ import annotations
@@ -86,26 +87,31 @@ def run(shape: tuple, repeats: int, candidates: dict | None = None) -> dict:
                      "peak_gb": round(mx.get_peak_memory() / 1e9, 2)}
         print(name, shape, out[name], flush=True)
     attention.flash_fits = fits
-    product = attention.flash_backward
-    grads = lambda: mx.compile(lambda q, k, v: mx.vjp(paths["ordered-flash"], [q, k, v], [cot])[1])(q, k, v)  # noqa: E731
+    forward_alone = lambda fwd: fwd(q, k, v, scale, True, spans)  # noqa: E731
+    out["flash-forward-alone"] = {"ms": round(timed(forward_alone, (flash.flash_forward,), repeats) * 1e3, 3)}
+    print("flash-forward-alone", shape, out["flash-forward-alone"], flush=True)
+    product = attention.flash_forward, attention.flash_backward
+    grads = lambda: mx.compile(lambda q, k, v: mx.vjp(paths["flash-spans"], [q, k, v], [cot]))(q, k, v)  # noqa: E731
     want = grads()
+    want = [*want[0], *want[1]]
     for name, module in (candidates or {}).items():
-        attention.flash_backward = module.flash_backward
+        attention.flash_forward, attention.flash_backward = module.flash_forward, module.flash_backward
         try:
-            fn = mx.compile(lambda q, k, v: mx.vjp(paths["ordered-flash"], [q, k, v], [cot]))
+            fn = mx.compile(lambda q, k, v: mx.vjp(paths["flash-spans"], [q, k, v], [cot]))
             mx.reset_peak_memory()
             sec = timed(fn, (q, k, v), repeats)
-            first, second = grads(), grads()
+            first, second = ([*o, *g] for o, g in (grads(), grads()))
             diff = max((mx.abs(g.astype(mx.float32) - w.astype(mx.float32)).max()
                         / mx.abs(w.astype(mx.float32)).max()).item() for g, w in zip(first, want))
             row = {"ms": round(sec * 1e3, 3), "tflops": round(flops / sec / 1e12, 1),
                    "peak_gb": round(mx.get_peak_memory() / 1e9, 2), "max_relative_difference": diff,
+                   "forward_alone_ms": round(timed(forward_alone, (module.flash_forward,), repeats) * 1e3, 3),
                    "same_bits": all(mx.array_equal(a, b).item() for a, b in zip(first, want)),
                    "same_bits_twice": all(mx.array_equal(a, b).item() for a, b in zip(first, second))}
         except Exception as e:  # a candidate that does not compile or launch is a result, not the end of the run
             row = {"error": f"{type(e).__name__}: {e}"[:2000]}
         finally:
-            attention.flash_backward = product
+            attention.flash_forward, attention.flash_backward = product
         out[f"candidate:{name}"] = row
         print(f"candidate:{name}", shape, row, flush=True)
     return out

@@ -216,7 +216,8 @@ _QUERY_BLOCK = r"""  const int H = q_shape[1], L = q_shape[2], KVH = k_shape[1],
   const int hs = spans[2 * b], he = spans[2 * b + 1];
 """
 
-# Their pass 2's walk over key blocks, K and V double-buffered: block j is read while block j + 1 is copied.
+# The walk over key blocks (the forward's, and the dQ kernel's pass 2), K and V double-buffered: block j is read
+# while block j + 1 is copied.
 _KEY_BLOCKS = r"""  fab_load_async<T, DK>(sK, kg, 0, BC, S);
   fab_load_async<T, DV>(sV, vg, 0, BC, S);
   fab_commit();
@@ -286,7 +287,8 @@ _DQ_SOURCE = r"""
   }
 """
 
-# The forward, one query block a thread block: pass 1 its rows' log-sum-exp, pass 2 O = softmax(scores) V.
+# The forward, one query block a thread block, in one walk over the key blocks: each row's running maximum and sum
+# (online softmax), the accumulated P V rescaled as the maximum grows, divided by the sum at the end.
 _FORWARD_SOURCE = r"""
   constexpr int BR = DQ_ROWS, BC = DQ_KEYS, SK = DK + FAB_PAD, SV = DV + FAB_PAD;
   extern __shared__ __align__(16) unsigned char fab_smem[];
@@ -300,29 +302,55 @@ _FORWARD_SOURCE = r"""
   const T* kg = k + bkv * S * DK;
   const T* vg = v + bkv * S * DV;
   const int blocks = (kend + BC - 1) / BC;
-  float lse[2], s[BC / 8][4], acc[DV / 8][4];
-  fab_rows_lse<T, DK, BC, CAUSAL>(lse, sQ + warp * 16 * SK, sK, kg, row, L, S, offset, hs, he, kend, sl, g, t);
+  float m[2] = {fab_neg_inf(), fab_neg_inf()}, l[2] = {0.f, 0.f}, s[BC / 8][4], acc[DV / 8][4];
 #pragma unroll
   for (int n = 0; n < DV / 8; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;
 """ + _KEY_BLOCKS + r"""
     fab_scores<T, DK, BC>(s, sQ + warp * 16 * SK, sK + (j & 1) * BC * SK, g, t);
+    float top[2] = {fab_neg_inf(), fab_neg_inf()};
 #pragma unroll
     for (int n = 0; n < BC / 8; ++n)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         bool ok = fab_sees<CAUSAL>(row[e >> 1], k0 + n * 8 + t * 2 + (e & 1), L, S, offset, hs, he);
-        s[n][e] = ok ? exp2f(s[n][e] * sl - lse[e >> 1]) : 0.f;
+        s[n][e] = ok ? s[n][e] * sl : fab_neg_inf();
+        top[e >> 1] = fmaxf(top[e >> 1], s[n][e]);
       }
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      top[i] = fmaxf(top[i], __shfl_xor_sync(0xffffffff, top[i], 1));
+      top[i] = fmaxf(top[i], __shfl_xor_sync(0xffffffff, top[i], 2));
+      const float mn = fmaxf(m[i], top[i]);
+      const float base = mn == fab_neg_inf() ? 0.f : mn;  // a row that has seen no key yet: every p is 0
+      const float alpha = exp2f(m[i] - base);
+      float sum = 0.f;
+#pragma unroll
+      for (int n = 0; n < BC / 8; ++n) {
+        s[n][2 * i] = exp2f(s[n][2 * i] - base);
+        s[n][2 * i + 1] = exp2f(s[n][2 * i + 1] - base);
+        sum += s[n][2 * i] + s[n][2 * i + 1];
+      }
+      l[i] = l[i] * alpha + sum;
+      m[i] = mn;
+#pragma unroll
+      for (int n = 0; n < DV / 8; ++n) {
+        acc[n][2 * i] *= alpha;
+        acc[n][2 * i + 1] *= alpha;
+      }
+    }
     fab_accumulate<T, DV, BC>(acc, s, sV + (j & 1) * BC * SV, g, t);
     __syncthreads();
   }
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
+    l[i] += __shfl_xor_sync(0xffffffff, l[i], 1);
+    l[i] += __shfl_xor_sync(0xffffffff, l[i], 2);
     if (row[i] >= L) continue;
+    const float inv = l[i] > 0.f ? 1.f / l[i] : 0.f;
     T* o = out + (bh * L + row[i]) * DV;
 #pragma unroll
     for (int n = 0; n < DV / 8; ++n)
-      *reinterpret_cast<unsigned*>(o + n * 8 + t * 2) = fab_pack(acc[n][2 * i], acc[n][2 * i + 1], o);
+      *reinterpret_cast<unsigned*>(o + n * 8 + t * 2) = fab_pack(acc[n][2 * i] * inv, acc[n][2 * i + 1] * inv, o);
   }
 """
 

@@ -126,8 +126,9 @@ def steady(lines: list[dict[str, Any]], skip: int) -> dict[str, Any]:
 
 
 def run_train(model: Path, rendered: Path, out: Path, settings: dict[str, Any], timeout: int,
-              skip: int) -> dict[str, Any]:
-    """`orpo train` in a fresh process, as the workflow runs it; its steady-state numbers from its own files.
+              skip: int, env: dict[str, str] | None = None) -> dict[str, Any]:
+    """`orpo train` in a fresh process, as the workflow runs it (with `env` added to its environment); its
+    steady-state numbers from its own files.
 
     A run that fails or times out still reports the steps it logged (from its `.partial` folder).
     """
@@ -138,7 +139,8 @@ def run_train(model: Path, rendered: Path, out: Path, settings: dict[str, Any], 
     t0 = time.perf_counter()
     failed, stderr = None, ""
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT,
+                              env={**os.environ, **(env or {})})
         stderr = proc.stderr
         if proc.returncode != 0:
             failed = f"exit {proc.returncode}: {(proc.stderr.strip().splitlines() or ['(no output)'])[-1][:200]}"
@@ -320,6 +322,8 @@ def main() -> None:
     ap.add_argument("--engine", default="{}", help="train.engine overrides as JSON (default: the product's defaults)")
     ap.add_argument("--paired-engine", help="train.engine overrides (JSON, over --engine) of a second run of each case, "
                     "right after the first, on the same model folder and data")
+    ap.add_argument("--paired-env", default="", help="KEY=VALUE,... environment of that second run (e.g. "
+                    "MLX_USE_CUDA_GRAPHS=0); with it alone the second run takes --engine")
     ap.add_argument("--no-engine-bench", action="store_true", help="skip bench/engine.py's step beside the cases")
     ap.add_argument("--profile", type=int, default=0, metavar="STEPS", help="also time the step's phases over STEPS steps")
     ap.add_argument("--timeout", type=int, default=600, help="seconds per orpo train run")
@@ -342,6 +346,10 @@ def main() -> None:
     from orpo.blas import reexec_with_openblas
 
     reexec_with_openblas([], sys.argv)
+    try:
+        paired_env = dict(kv.split("=", 1) for kv in a.paired_env.split(",") if kv.strip())
+    except ValueError:
+        sys.exit(f"--paired-env {a.paired_env!r}: KEY=VALUE pairs, comma-separated")
     shape = GEOMETRIES[a.geometry] if not a.dtype else replace(GEOMETRIES[a.geometry], dtype=a.dtype)
     gpu = GEOMETRIES[a.geometry].dtype == "bfloat16"
     if a.quantize and a.method == "full":
@@ -404,11 +412,11 @@ def main() -> None:
                         a.timeout, skip)
         if warmup is not None:
             res["warmup_wall_s"] = warmup["wall_s"]
-        if a.paired_engine:
-            paired = {**engine, **json.loads(a.paired_engine)}
-            res["paired"] = {"engine_overrides": paired, **run_train(
+        if a.paired_engine or paired_env:
+            paired = {**engine, **json.loads(a.paired_engine or "{}")}
+            res["paired"] = {"engine_overrides": paired, "env": paired_env, **run_train(
                 model, rendered, work / f"run-{name}-paired", settings_for(batch, accum, max_steps, paired, a.method),
-                a.timeout, skip)}
+                a.timeout, skip, paired_env)}
         p, c, r = (sum(x[i] for x in lengths) / len(lengths) for i in range(3))
         res["mean_lengths"] = [round(p, 1), round(c, 1), round(r, 1)]
         res["batch"], res["grad_accum"] = batch, accum
@@ -426,7 +434,7 @@ def main() -> None:
               + (f" ({res['failed']})" if "failed" in res else ""), flush=True)
         if "step_s" in res.get("paired", {}):
             q = res["paired"]
-            print(f"  {name} paired {json.dumps(q['engine_overrides'])}: {q['step_s']:.3f} s/step, peak {q['peak_gb']:.2f} GB "
+            print(f"  {name} paired {json.dumps(q['engine_overrides'])} {q['env'] or ''}: {q['step_s']:.3f} s/step, peak {q['peak_gb']:.2f} GB "
                   f"(this/paired tokens/s {res.get('tokens_per_s', 0) / q['tokens_per_s']:.3f})", flush=True)
         save()
     if a.profile:

@@ -4,9 +4,11 @@ Host work only (the rows `orpo.train.step.prepare` builds; no device): for tight
 where the exclusion attention fits) and without them (the Mistral-7B head dim on CUDA: a micro-batch of differing
 prompts falls back to two-forward rows), the positions (padding included) when each step's pairs are cut in order
 of the shared row's length (prompt + chosen + rejected) and of the longer sequence (prompt + max(chosen,
-rejected)); `orpo.train.step.row_lengths` picks the one the rows pad to.
+rejected)); `orpo.train.step.row_lengths` picks the one the rows pad to. Also how often consecutive micro-batches
+change shape (each change meets another compiled trace and its device state). `--window 32` orders the steps as
+`train.group_by_length` does.
 
-    .venv/bin/python bench/row_padding.py --pairs 1024
+    .venv/bin/python bench/row_padding.py --pairs 1024 [--window 32]
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=4, help="pairs per micro-batch")
     ap.add_argument("--step", type=int, default=32, help="pairs per optimizer step")
     ap.add_argument("--width-multiple", type=int, default=128, help="train.engine.width_multiple (CUDA's 128)")
+    ap.add_argument("--window", type=int, default=1, help="steps sorted by length together (32: train.group_by_length)")
     a = ap.parse_args()
     rng = np.random.default_rng(0)
     draw = ultrafeedback_lengths(a.pairs, 1)
@@ -40,18 +43,23 @@ def main() -> None:
     pairs = Pairs([str(i) for i in range(a.pairs)], prompt, chosen, rejected, [[1] * len(c) for c in chosen],
                   [[1] * len(r) for r in rejected])
     engine = resolve_engine(engine_settings({"width_multiple": a.width_multiple, "prefix_sharing": True}))
-    schedule = batch_schedule(pair_lengths(pairs), a.step, 1, 0, 0, 1)
-    print(f"{a.pairs} pairs, {a.step} a step in micro-batches of {a.batch}, widths of {a.width_multiple}")
+    schedule = batch_schedule(pair_lengths(pairs), a.step, 1, 0, 0, a.window)
+    print(f"{a.pairs} pairs, {a.step} a step in micro-batches of {a.batch}, widths of {a.width_multiple}, "
+          f"steps grouped by length in windows of {a.window}")
     for tight in (True, False):
         for name, key in (("prompt + chosen + rejected", pair_tokens(pairs)),
                           ("prompt + max(chosen, rejected)", pair_lengths(pairs))):
             positions = real = two_forward = 0
+            shapes = []
             for step in schedule:
                 for rows in shard_micro_batches(sorted(step, key=lambda r: (key[r], r)), a.batch, 0, 1):
                     b = prepare(pairs.select(rows), engine, tight)
                     positions, real, two_forward = positions + b.positions, real + b.row_tokens, two_forward + b.two_forward_tokens
+                    shapes.append(b.signature())
+            changes = sum(x != y for x, y in zip(shapes, shapes[1:]))
             print(f"{'tight rows' if tight else 'no tight rows':<14} cut by {name:<31} positions {positions:>10,}  "
-                  f"padding {1 - real / positions:.3f}  positions / two-forward tokens {positions / two_forward:.3f}")
+                  f"padding {1 - real / positions:.3f}  positions / two-forward tokens {positions / two_forward:.3f}  "
+                  f"shapes {len(set(shapes))}, changes {changes / len(schedule):.2f} a step")
 
 
 if __name__ == "__main__":

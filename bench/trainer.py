@@ -324,6 +324,8 @@ def main() -> None:
                     "right after the first, on the same model folder and data")
     ap.add_argument("--paired-env", default="", help="KEY=VALUE,... environment of that second run (e.g. "
                     "MLX_USE_CUDA_GRAPHS=0); with it alone the second run takes --engine")
+    ap.add_argument("--paired-train", default="", help="train settings (JSON) of that second run beside the "
+                    "engine's, e.g. '{\"group_by_length\": true}'")
     ap.add_argument("--no-engine-bench", action="store_true", help="skip bench/engine.py's step beside the cases")
     ap.add_argument("--profile", type=int, default=0, metavar="STEPS", help="also time the step's phases over STEPS steps")
     ap.add_argument("--timeout", type=int, default=600, help="seconds per orpo train run")
@@ -412,11 +414,12 @@ def main() -> None:
                         a.timeout, skip)
         if warmup is not None:
             res["warmup_wall_s"] = warmup["wall_s"]
-        if a.paired_engine or paired_env:
+        if a.paired_engine or paired_env or a.paired_train:
             paired = {**engine, **json.loads(a.paired_engine or "{}")}
-            res["paired"] = {"engine_overrides": paired, "env": paired_env, **run_train(
-                model, rendered, work / f"run-{name}-paired", settings_for(batch, accum, max_steps, paired, a.method),
-                a.timeout, skip, paired_env)}
+            train = json.loads(a.paired_train or "{}")
+            res["paired"] = {"engine_overrides": paired, "env": paired_env, "train": train, **run_train(
+                model, rendered, work / f"run-{name}-paired",
+                {**settings_for(batch, accum, max_steps, paired, a.method), **train}, a.timeout, skip, paired_env)}
         p, c, r = (sum(x[i] for x in lengths) / len(lengths) for i in range(3))
         res["mean_lengths"] = [round(p, 1), round(c, 1), round(r, 1)]
         res["batch"], res["grad_accum"] = batch, accum
@@ -434,7 +437,7 @@ def main() -> None:
               + (f" ({res['failed']})" if "failed" in res else ""), flush=True)
         if "step_s" in res.get("paired", {}):
             q = res["paired"]
-            print(f"  {name} paired {json.dumps(q['engine_overrides'])} {q['env'] or ''}: {q['step_s']:.3f} s/step, peak {q['peak_gb']:.2f} GB "
+            print(f"  {name} paired {json.dumps(q['engine_overrides'])} {q['env'] or ''} {q['train'] or ''}: {q['step_s']:.3f} s/step, peak {q['peak_gb']:.2f} GB "
                   f"(this/paired tokens/s {res.get('tokens_per_s', 0) / q['tokens_per_s']:.3f})", flush=True)
         save()
     if a.profile:

@@ -91,16 +91,22 @@ def run(shape: tuple, repeats: int, candidates: dict | None = None) -> dict:
     out["flash-forward-alone"] = {"ms": round(timed(forward_alone, (flash.flash_forward,), repeats) * 1e3, 3)}
     print("flash-forward-alone", shape, out["flash-forward-alone"], flush=True)
     product = attention.flash_forward, attention.flash_backward
-    grads = lambda: mx.compile(lambda q, k, v: mx.vjp(paths["flash-spans"], [q, k, v], [cot]))(q, k, v)  # noqa: E731
-    want = grads()
-    want = [*want[0], *want[1]]
+
+    def spans_vjp():  # a new function each time, so mx.compile traces whichever kernels are installed now
+        return mx.compile(lambda q, k, v: mx.vjp(paths["flash-spans"], [q, k, v], [cot]))
+
+    def outputs_and_grads() -> list[mx.array]:
+        outputs, grads = spans_vjp()(q, k, v)
+        return [*outputs, *grads]
+
+    want = outputs_and_grads()
     for name, module in (candidates or {}).items():
         attention.flash_forward, attention.flash_backward = module.flash_forward, module.flash_backward
         try:
-            fn = mx.compile(lambda q, k, v: mx.vjp(paths["flash-spans"], [q, k, v], [cot]))
+            fn = spans_vjp()
             mx.reset_peak_memory()
             sec = timed(fn, (q, k, v), repeats)
-            first, second = ([*o, *g] for o, g in (grads(), grads()))
+            first, second = outputs_and_grads(), outputs_and_grads()
             diff = max((mx.abs(g.astype(mx.float32) - w.astype(mx.float32)).max()
                         / mx.abs(w.astype(mx.float32)).max()).item() for g, w in zip(first, want))
             row = {"ms": round(sec * 1e3, 3), "tflops": round(flops / sec / 1e12, 1),

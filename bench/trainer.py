@@ -437,7 +437,8 @@ def main() -> None:
               + (f" ({res['failed']})" if "failed" in res else ""), flush=True)
         if "step_s" in res.get("paired", {}):
             q = res["paired"]
-            print(f"  {name} paired {json.dumps(q['engine_overrides'])} {q['env'] or ''} {q['train'] or ''}: {q['step_s']:.3f} s/step, peak {q['peak_gb']:.2f} GB "
+            what = " ".join(str(x) for x in (json.dumps(q["engine_overrides"]), q["env"], q["train"]) if x)
+            print(f"  {name} paired {what}: {q['step_s']:.3f} s/step, peak {q['peak_gb']:.2f} GB "
                   f"(this/paired tokens/s {res.get('tokens_per_s', 0) / q['tokens_per_s']:.3f})", flush=True)
         save()
     if a.profile:

@@ -151,13 +151,47 @@ __device__ __forceinline__ void fab_accumulate(float (*acc)[4], const float (*p)
   }
 }
 
+// One key block (keys k0 .. k0 + BC - 1) of a warp's online softmax (base 2) over its rows row[0], row[1]: the
+// scores s become p = exp2(sl * score - m) (0 for keys a row does not see), each row's running maximum m and sum l
+// take the block in, and alpha gets the factor by which the earlier blocks' sum (and anything summed with it) shrinks.
+template <int BC, bool CAUSAL>
+__device__ __forceinline__ void fab_softmax_block(float (*s)[4], float* m, float* l, float* alpha, const int* row,
+                                                  int k0, int L, int S, int offset, int hs, int he, float sl, int t) {
+  float top[2] = {fab_neg_inf(), fab_neg_inf()};
+#pragma unroll
+  for (int n = 0; n < BC / 8; ++n)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      bool ok = fab_sees<CAUSAL>(row[e >> 1], k0 + n * 8 + t * 2 + (e & 1), L, S, offset, hs, he);
+      s[n][e] = ok ? s[n][e] * sl : fab_neg_inf();
+      top[e >> 1] = fmaxf(top[e >> 1], s[n][e]);
+    }
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    top[i] = fmaxf(top[i], __shfl_xor_sync(0xffffffff, top[i], 1));
+    top[i] = fmaxf(top[i], __shfl_xor_sync(0xffffffff, top[i], 2));
+    const float mn = fmaxf(m[i], top[i]);
+    const float base = mn == fab_neg_inf() ? 0.f : mn;  // a row that has seen no key yet: every p is 0
+    alpha[i] = exp2f(m[i] - base);
+    float sum = 0.f;
+#pragma unroll
+    for (int n = 0; n < BC / 8; ++n) {
+      s[n][2 * i] = exp2f(s[n][2 * i] - base);
+      s[n][2 * i + 1] = exp2f(s[n][2 * i + 1] - base);
+      sum += s[n][2 * i] + s[n][2 * i + 1];
+    }
+    l[i] = l[i] * alpha[i] + sum;
+    m[i] = mn;
+  }
+}
+
 // Pass 1 of a query block: the log-sum-exp (base 2, of sl * scores) of the warp's rows row[0], row[1] over the
 // keys below kend they see, key blocks double-buffered in sK (2 * BC rows).
 template <typename T, int DK, int BC, bool CAUSAL>
 __device__ __forceinline__ void fab_rows_lse(float* lse, const T* sQw, T* sK, const T* kg, const int* row, int L,
                                              int S, int offset, int hs, int he, int kend, float sl, int g, int t) {
   constexpr int SK = DK + FAB_PAD;
-  float m[2] = {fab_neg_inf(), fab_neg_inf()}, l[2] = {0.f, 0.f};
+  float m[2] = {fab_neg_inf(), fab_neg_inf()}, l[2] = {0.f, 0.f}, alpha[2];
   float s[BC / 8][4];
   const int blocks = (kend + BC - 1) / BC;
   fab_load_async<T, DK>(sK, kg, 0, BC, S);
@@ -173,27 +207,7 @@ __device__ __forceinline__ void fab_rows_lse(float* lse, const T* sQw, T* sK, co
     }
     __syncthreads();
     fab_scores<T, DK, BC>(s, sQw, sK + (j & 1) * BC * SK, g, t);
-    float top[2] = {fab_neg_inf(), fab_neg_inf()};
-#pragma unroll
-    for (int n = 0; n < BC / 8; ++n)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        bool ok = fab_sees<CAUSAL>(row[e >> 1], k0 + n * 8 + t * 2 + (e & 1), L, S, offset, hs, he);
-        s[n][e] = ok ? s[n][e] * sl : fab_neg_inf();
-        top[e >> 1] = fmaxf(top[e >> 1], s[n][e]);
-      }
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      top[i] = fmaxf(top[i], __shfl_xor_sync(0xffffffff, top[i], 1));
-      top[i] = fmaxf(top[i], __shfl_xor_sync(0xffffffff, top[i], 2));
-      float mn = fmaxf(m[i], top[i]);
-      if (mn == fab_neg_inf()) continue;
-      float sum = 0.f;
-#pragma unroll
-      for (int n = 0; n < BC / 8; ++n) sum += exp2f(s[n][2 * i] - mn) + exp2f(s[n][2 * i + 1] - mn);
-      l[i] = l[i] * exp2f(m[i] - mn) + sum;
-      m[i] = mn;
-    }
+    fab_softmax_block<BC, CAUSAL>(s, m, l, alpha, row, k0, L, S, offset, hs, he, sl, t);
     __syncthreads();  // the next copy overwrites this block's buffer
   }
 #pragma unroll
@@ -302,41 +316,18 @@ _FORWARD_SOURCE = r"""
   const T* kg = k + bkv * S * DK;
   const T* vg = v + bkv * S * DV;
   const int blocks = (kend + BC - 1) / BC;
-  float m[2] = {fab_neg_inf(), fab_neg_inf()}, l[2] = {0.f, 0.f}, s[BC / 8][4], acc[DV / 8][4];
+  float m[2] = {fab_neg_inf(), fab_neg_inf()}, l[2] = {0.f, 0.f}, alpha[2], s[BC / 8][4], acc[DV / 8][4];
 #pragma unroll
   for (int n = 0; n < DV / 8; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;
 """ + _KEY_BLOCKS + r"""
     fab_scores<T, DK, BC>(s, sQ + warp * 16 * SK, sK + (j & 1) * BC * SK, g, t);
-    float top[2] = {fab_neg_inf(), fab_neg_inf()};
+    fab_softmax_block<BC, CAUSAL>(s, m, l, alpha, row, k0, L, S, offset, hs, he, sl, t);
 #pragma unroll
-    for (int n = 0; n < BC / 8; ++n)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        bool ok = fab_sees<CAUSAL>(row[e >> 1], k0 + n * 8 + t * 2 + (e & 1), L, S, offset, hs, he);
-        s[n][e] = ok ? s[n][e] * sl : fab_neg_inf();
-        top[e >> 1] = fmaxf(top[e >> 1], s[n][e]);
-      }
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      top[i] = fmaxf(top[i], __shfl_xor_sync(0xffffffff, top[i], 1));
-      top[i] = fmaxf(top[i], __shfl_xor_sync(0xffffffff, top[i], 2));
-      const float mn = fmaxf(m[i], top[i]);
-      const float base = mn == fab_neg_inf() ? 0.f : mn;  // a row that has seen no key yet: every p is 0
-      const float alpha = exp2f(m[i] - base);
-      float sum = 0.f;
-#pragma unroll
-      for (int n = 0; n < BC / 8; ++n) {
-        s[n][2 * i] = exp2f(s[n][2 * i] - base);
-        s[n][2 * i + 1] = exp2f(s[n][2 * i + 1] - base);
-        sum += s[n][2 * i] + s[n][2 * i + 1];
-      }
-      l[i] = l[i] * alpha + sum;
-      m[i] = mn;
-#pragma unroll
-      for (int n = 0; n < DV / 8; ++n) {
-        acc[n][2 * i] *= alpha;
-        acc[n][2 * i + 1] *= alpha;
-      }
+    for (int n = 0; n < DV / 8; ++n) {
+      acc[n][0] *= alpha[0];
+      acc[n][1] *= alpha[0];
+      acc[n][2] *= alpha[1];
+      acc[n][3] *= alpha[1];
     }
     fab_accumulate<T, DV, BC>(acc, s, sV + (j & 1) * BC * SV, g, t);
     __syncthreads();

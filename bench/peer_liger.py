@@ -36,8 +36,8 @@ parameter: the precision `orpo train`'s full mode keeps, its masters float32 und
     python bench/peer_liger.py --shape mistral-7b --method full --json $OUT/peer-full-7b.json
     python bench/peer_liger.py --shape h200 --lengths ultrafeedback --pairs 512 --json $OUT/peer-uf.json
 
-`--lengths ultrafeedback` trains one epoch of `--pairs` UltraFeedback-like pairs (bench/trainer.py's draw: the same
-lengths) as the peer would with transformers' Trainer: micro-batches of 4 pairs ordered by its
+`--lengths ultrafeedback` trains `--epochs` passes (default one) over `--pairs` UltraFeedback-like pairs
+(bench/trainer.py's draw: the same lengths) as the peer would with transformers' Trainer: micro-batches of 4 pairs ordered by its
 LengthGroupedSampler (group_by_length, the faster order), [chosen; rejected] rows right-padded to the longest row
 rounded up to a multiple of `--pad-multiple` (TRL's pad_to_multiple_of; right padding needs no attention mask under
 causal attention), the loss divided over 8 micro-batches a step, then clip to norm 1 and AdamW (fused on CUDA) at
@@ -343,7 +343,7 @@ def epoch_batches(shape: Shape, pairs: int, seed: int, batch: int, multiple: int
 
 def run_epoch(case: Case, epoch: dict[str, Any], seed: int, loss: str, compiled: bool,
               compile_decoder: str) -> dict[str, Any]:
-    """Train one epoch of `epoch`'s real-length pairs (module docstring), timed per optimizer step."""
+    """Train `epoch`'s passes over its real-length pairs (module docstring), timed per optimizer step."""
     import resource
     import statistics
 
@@ -351,8 +351,11 @@ def run_epoch(case: Case, epoch: dict[str, Any], seed: int, loss: str, compiled:
 
     config, device, model, decoder, trained = peer_model(case, seed, loss, compiled, compile_decoder)
     cuda = device == "cuda"
-    micro = epoch_batches(case.shape, epoch["pairs"], seed, epoch["batch"], epoch["pad_multiple"], device)
+    passes = epoch.get("epochs", 1)  # each pass in its own LengthGroupedSampler order, as the Trainer reshuffles
+    per_pass = [epoch_batches(case.shape, epoch["pairs"], seed + e, epoch["batch"], epoch["pad_multiple"], device)
+                for e in range(passes)]
     accum = epoch["accum"]
+    micro = [b for batches in per_pass for b in batches[:len(batches) - len(batches) % accum]]
     loss_fn = loss_function(loss, compiled)
     opt = torch.optim.AdamW(trained, lr=1e-5, fused=cuda)
     if cuda:
@@ -378,9 +381,13 @@ def run_epoch(case: Case, epoch: dict[str, Any], seed: int, loss: str, compiled:
         new_shapes.append(len(widths))
     skip = min(epoch["skip"], len(times) - 1)
     positions = sum(b["tokens"].numel() for b in micro[:len(times) * accum])
+    last = len(times) - len(times) // passes  # the last pass alone: the shapes met before are compiled
+    last_epoch = {"step_s": statistics.median(times[last:]), "tokens_per_s": sum(tokens[last:]) / sum(times[last:]),
+                  "steps": len(times) - last} if passes > 1 else None
     peak = torch.cuda.max_memory_allocated() if cuda else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     return {"step_s": statistics.median(times[skip:]), "tokens_per_s": sum(tokens[skip:]) / sum(times[skip:]),
             "epoch_s": sum(times), "steps": len(times), "step_times": times, "new_shapes": new_shapes,
+            **({"last_epoch": last_epoch} if last_epoch else {}),
             "shapes": len(seen), "padding": 1 - sum(tokens) / positions, "peak_gb": peak / GB,
             "extra_gb": (peak - resident) / GB, "resident_gb": resident / GB,
             "loss": float(value.item()) * accum, "path": describe(config) + "/uf", "config": config,
@@ -465,8 +472,10 @@ def main() -> None:
     ap.add_argument("--method", choices=["lora", "full"], default="lora",
                     help="lora: peft LoRA rank 16 on the seven projections; full: every weight, with AdamW's step")
     ap.add_argument("--lengths", choices=["fixed", "ultrafeedback"], default="fixed",
-                    help="fixed: the suite's step shapes; ultrafeedback: one epoch of real-length pairs (see above)")
+                    help="fixed: the suite's step shapes; ultrafeedback: passes over real-length pairs (see above)")
     ap.add_argument("--pairs", type=int, default=512, help="pairs of the ultrafeedback epoch")
+    ap.add_argument("--epochs", type=int, default=1, help="passes over the ultrafeedback pairs (the last one is also "
+                    "reported alone)")
     ap.add_argument("--pad-multiple", type=int, default=128, help="rows padded to a multiple of this (ultrafeedback)")
     ap.add_argument("--skip", type=int, default=1, help="first optimizer steps left out of the ultrafeedback rates")
     ap.add_argument("--timeout", type=int, default=300, help="seconds per variant before it is reported as failed")
@@ -511,7 +520,8 @@ def main() -> None:
     if a.lengths == "ultrafeedback":
         if a.method != "lora":
             sys.exit("--lengths ultrafeedback: LoRA only")
-        epoch = {"pairs": a.pairs, "batch": 4, "accum": 8, "pad_multiple": a.pad_multiple, "skip": a.skip}
+        epoch = {"pairs": a.pairs, "batch": 4, "accum": 8, "pad_multiple": a.pad_multiple, "skip": a.skip,
+                 "epochs": a.epochs}
         # The geometry of the suite's first shape; its batch is the epoch's.
         cases = [replace(c, name=c.name.split("-P")[0].split("-L")[0] + "-uf", baseline=f"{a.loss}-uf")
                  for c in cases if c.shape == cases[0].shape]

@@ -95,12 +95,13 @@ def write_model(shape: Shape, out: Path, seed: int) -> None:
     save_config(config, out / "config.json")
 
 
-def settings_for(batch: int, accum: int, steps: int, engine: dict[str, Any], method: str = "lora") -> dict[str, Any]:
+def settings_for(batch: int, accum: int, steps: int, engine: dict[str, Any], method: str = "lora",
+                 epochs: int = 1) -> dict[str, Any]:
     """The train settings of a case: LoRA rank 16 on the seven projections (or every weight, `method` full, at the
     ORPO paper's lr 5e-6), one checkpoint at the end, every step flushed to metrics.jsonl (so a run cut short still
     reports its steps)."""
     trains = {"lora": LORA} if method == "lora" else {"method": "full", "lr": 5e-6}
-    return {"lr": 1e-5, "batch_size": batch, "grad_accum": accum, "epochs": 1, "max_steps": steps,
+    return {"lr": 1e-5, "batch_size": batch, "grad_accum": accum, "epochs": epochs, "max_steps": steps,
             "checkpoint_every": 0, "log_every": 1, "warmup": 0, **trains, "engine": engine}
 
 
@@ -161,6 +162,13 @@ def run_train(model: Path, rendered: Path, out: Path, settings: dict[str, Any], 
         result.update(steady(lines, skip))
         result["shapes"] = train[-1].get("shapes")
         result.update(shape_costs(train, skip))
+    epochs = settings.get("epochs", 1)
+    if epochs > 1 and len(train) >= 2 * epochs:  # the last epoch alone: the shapes met before are traced
+        result["last_epoch"] = {**steady(lines, len(train) - len(train) // epochs - 1), **shape_costs(
+            train, len(train) - len(train) // epochs - 1)}
+    warnings = [x for x in stderr.splitlines() if "thrash" in x.lower() or "warning" in x.lower()]
+    if warnings:
+        result["warnings"] = warnings[:20]
     if failed is None:
         run = json.loads((out / "index.json").read_text()).get("run", {})
         result.update({"traces": run.get("traces"), "memory": run.get("memory"),
@@ -315,6 +323,8 @@ def main() -> None:
     ap.add_argument("--lengths", default="fixed,ultrafeedback,mean", help="cases to run, comma-separated")
     ap.add_argument("--steps", type=int, help="optimizer steps of the fixed cases (default 60 on GPU, 8 on CPU)")
     ap.add_argument("--pairs", type=int, help="pairs of the ultrafeedback epoch (default 4096 on GPU, 128 on CPU)")
+    ap.add_argument("--epochs", type=int, default=1, help="passes over the ultrafeedback pairs (the last one is "
+                    "also reported alone: its shapes were met before, as in a long run)")
     ap.add_argument("--warm", choices=["auto", "yes", "no"], default="auto",
                     help="a 2-step run of each case first, so the measured run finds the device kernels compiled "
                          "(auto: on a GPU, where a first run on a fresh H200 took 173-187 s against 27 s once cached)")
@@ -408,10 +418,11 @@ def main() -> None:
         rendered = work / f"rendered-{name}"
         write_rendered(rendered, lengths, shape.vocab, 2)
         skip = a.skip if accum == 1 else max(1, a.skip // 2)
+        epochs = a.epochs if name == "ultrafeedback" else 1
         warmup = run_train(model, rendered, work / f"warm-{name}", settings_for(batch, accum, 2, engine, a.method),
                            a.timeout, 0) if warm else None
-        res = run_train(model, rendered, work / f"run-{name}", settings_for(batch, accum, max_steps, engine, a.method),
-                        a.timeout, skip)
+        res = run_train(model, rendered, work / f"run-{name}",
+                        settings_for(batch, accum, max_steps, engine, a.method, epochs), a.timeout, skip)
         if warmup is not None:
             res["warmup_wall_s"] = warmup["wall_s"]
         if a.paired_engine or paired_env or a.paired_train:
@@ -419,7 +430,8 @@ def main() -> None:
             train = json.loads(a.paired_train or "{}")
             res["paired"] = {"engine_overrides": paired, "env": paired_env, "train": train, **run_train(
                 model, rendered, work / f"run-{name}-paired",
-                {**settings_for(batch, accum, max_steps, paired, a.method), **train}, a.timeout, skip, paired_env)}
+                {**settings_for(batch, accum, max_steps, paired, a.method, epochs), **train}, a.timeout, skip,
+                paired_env)}
         p, c, r = (sum(x[i] for x in lengths) / len(lengths) for i in range(3))
         res["mean_lengths"] = [round(p, 1), round(c, 1), round(r, 1)]
         res["batch"], res["grad_accum"] = batch, accum
@@ -435,6 +447,11 @@ def main() -> None:
                                f"peak {res['peak_gb']:.2f} GB" if "step_s" in res else "")
               + (f" (predicted {predicted:.2f} GB)" if predicted else "")
               + (f" ({res['failed']})" if "failed" in res else ""), flush=True)
+        for label, r in (("", res), (" paired", res.get("paired", {}))):
+            if "step_s" in r.get("last_epoch", {}):
+                e = r["last_epoch"]
+                print(f"  {name}{label} last epoch: {e['step_s']:.3f} s/step, {e['two_forward_tokens_per_s']:.0f} "
+                      f"two-forward tok/s, {e['steps_with_new_shapes']} steps met new shapes", flush=True)
         if "step_s" in res.get("paired", {}):
             q = res["paired"]
             what = " ".join(str(x) for x in (json.dumps(q["engine_overrides"]), q["env"], q["train"]) if x)

@@ -6,12 +6,12 @@ prompts falls back to two-forward rows), the positions (padding included) when e
 of the shared row's length (prompt + chosen + rejected) and of the longer sequence (prompt + max(chosen,
 rejected)); `orpo.train.step.row_lengths` picks the one the rows pad to. Also how often consecutive micro-batches
 change shape (each change meets another compiled trace and its device state). `--window 32` orders the steps as
-`train.group_by_length` does. `--pack W` adds what packing would give (host arithmetic, no engine builds such rows
-yet): each step's tight rows placed first-fit, longest first, into rows of W positions, micro-batches of
+`train.group_by_length` does. `--pack W` adds what packing would give (host arithmetic; no engine builds such
+rows): each step's tight rows placed first-fit, longest first, into rows of W positions, micro-batches of
 `--pack-rows` such rows (a step's last micro-batch only the rows it fills), so the micro-batches' shapes differ
 only in that last one's rows and in their targets' ladder rung.
 
-    .venv/bin/python bench/row_padding.py --pairs 1024 [--window 32] [--pack 2048 --pack-rows 4]
+    .venv/bin/python bench/row_padding.py --pairs 1024 [--window 32] [--pack 2560 --pack-rows 2]
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ import numpy as np  # noqa: E402
 from orpo.batching import batch_schedule, ladder  # noqa: E402
 from orpo.train.data import Pairs, pair_lengths, pair_tokens, scored_counts  # noqa: E402
 from orpo.train.distributed import shard_micro_batches  # noqa: E402
-from orpo.train.settings import engine_settings  # noqa: E402
 from orpo.train.rows import TARGETS_PER_OCTAVE  # noqa: E402
+from orpo.train.settings import engine_settings  # noqa: E402
 from orpo.train.step import prepare, resolve_engine  # noqa: E402
 from engine_shapes import ultrafeedback_lengths  # noqa: E402
 

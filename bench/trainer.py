@@ -164,8 +164,8 @@ def run_train(model: Path, rendered: Path, out: Path, settings: dict[str, Any], 
         result.update(shape_costs(train, skip))
     epochs = settings.get("epochs", 1)
     if epochs > 1 and len(train) >= 2 * epochs:  # the last epoch alone: the shapes met before are traced
-        result["last_epoch"] = {**steady(lines, len(train) - len(train) // epochs - 1), **shape_costs(
-            train, len(train) - len(train) // epochs - 1)}
+        before = len(train) - len(train) // epochs - 1
+        result["last_epoch"] = {**steady(lines, before), **shape_costs(train, before)}
     warnings = [x for x in stderr.splitlines() if "thrash" in x.lower() or "warning" in x.lower()]
     if warnings:
         result["warnings"] = warnings[:20]

@@ -6,10 +6,10 @@ prompts falls back to two-forward rows), the positions (padding included) when e
 of the shared row's length (prompt + chosen + rejected) and of the longer sequence (prompt + max(chosen,
 rejected)); `orpo.train.step.row_lengths` picks the one the rows pad to. Also how often consecutive micro-batches
 change shape (each change meets another compiled trace and its device state). `--window 32` orders the steps as
-`train.group_by_length` does. `--pack W` adds what packing would give (host arithmetic; no engine builds such
-rows): each step's tight rows placed first-fit, longest first, into rows of W positions, micro-batches of
-`--pack-rows` such rows (a step's last micro-batch only the rows it fills), so the micro-batches' shapes differ
-only in that last one's rows and in their targets' ladder rung.
+`train.group_by_length` does. `--pack W` adds the rows `train.engine.pack_width` W builds: each step's pairs
+placed first-fit, longest first, into rows of W positions, micro-batches of `--pack-rows` such rows (a step's
+last micro-batch the rows left), so the micro-batches' shapes differ only in that last one's rows and in their
+targets' ladder rung.
 
     .venv/bin/python bench/row_padding.py --pairs 1024 [--window 32] [--pack 2560 --pack-rows 2]
 """
@@ -24,12 +24,12 @@ sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).res
 
 import numpy as np  # noqa: E402
 
-from orpo.batching import batch_schedule, ladder  # noqa: E402
-from orpo.train.data import Pairs, pair_lengths, pair_tokens, scored_counts  # noqa: E402
+from orpo.batching import batch_schedule  # noqa: E402
+from orpo.train.data import Pairs, pair_lengths, pair_tokens  # noqa: E402
 from orpo.train.distributed import shard_micro_batches  # noqa: E402
-from orpo.train.rows import TARGETS_PER_OCTAVE  # noqa: E402
+from orpo.train.rows import block_lengths  # noqa: E402
 from orpo.train.settings import engine_settings  # noqa: E402
-from orpo.train.step import prepare, resolve_engine  # noqa: E402
+from orpo.train.step import prepare, prepare_packed_step, resolve_engine  # noqa: E402
 from engine_shapes import ultrafeedback_lengths  # noqa: E402
 
 
@@ -71,30 +71,20 @@ def main() -> None:
 
 
 def packed(pairs: Pairs, schedule: list[list[int]], width: int, rows: int, multiple: int) -> None:
-    """Positions, micro-batches and shapes of each step's tight rows packed first-fit decreasing into rows of
-    `width`, `rows` of them a micro-batch (a step's last one only those it fills; the targets padded to their
-    ladder rung as now)."""
-    length = [t - 2 for t in pair_tokens(pairs)]  # a tight row: prompt + chosen + rejected, less the two last tokens
-    scored = scored_counts(pairs).reshape(2, -1).sum(axis=0).tolist()
-    if max(length) > width:
-        sys.exit(f"--pack {width}: the longest row has {max(length)} positions")
+    """Positions, micro-batches and shapes of each step's pairs as the trainer packs them (train.engine.pack_width
+    `width`, pack_rows `rows`)."""
+    engine = resolve_engine(engine_settings({"width_multiple": multiple, "prefix_sharing": True,
+                                             "pack_width": width, "pack_rows": rows}))
+    blocks = block_lengths(pairs)
+    if max(blocks) > width:
+        sys.exit(f"--pack {width}: the longest pair takes {max(blocks)} positions")
     positions = real = micro = 0
     shapes = []
     for step in schedule:
-        bins: list[list[int]] = []  # per packed row: [free positions, scored tokens]
-        for r in sorted(step, key=lambda r: (-length[r], r)):
-            fit = next((b for b in bins if b[0] >= length[r]), None)
-            if fit is None:
-                fit = [width, 0]
-                bins.append(fit)
-            fit[0] -= length[r]
-            fit[1] += scored[r]
-            real += length[r]
-        for first in range(0, len(bins), rows):
-            group = bins[first:first + rows]  # the step's last micro-batch holds only the rows it fills
+        for b in prepare_packed_step(pairs.select(step), [blocks[r] for r in step], engine):
             micro += 1
-            positions += len(group) * width
-            shapes.append((len(group), ladder(sum(b[1] for b in group), multiple, TARGETS_PER_OCTAVE)))
+            positions, real = positions + b.positions, real + b.row_tokens
+            shapes.append(b.signature())
     changes = sum(x != y for x, y in zip(shapes, shapes[1:]))
     print(f"packed into {rows} x {width}{'':<17} positions {positions:>10,}  padding {1 - real / positions:.3f}  "
           f"micro-batches {micro / len(schedule):.2f} a step  shapes {len(set(shapes))}, "

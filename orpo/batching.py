@@ -47,6 +47,23 @@ def ladder(n: int, unit: int, per_octave: int = 8) -> int:
     return int(math.ceil(k / step) * step * unit)
 
 
+def first_fit(lengths: Sequence[int], capacity: int, most: int) -> list[list[int]]:
+    """Indices of `lengths` in bins of `capacity`, longest first, each into the first bin it fits that holds fewer
+    than `most` (first-fit decreasing; ties in index order, so the bins are reproducible)."""
+    bins: list[list[int]] = []
+    free: list[int] = []
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        if lengths[i] > capacity:
+            raise ValueError(f"an item of {lengths[i]} does not fit a bin of {capacity}")
+        j = next((j for j, f in enumerate(free) if f >= lengths[i] and len(bins[j]) < most), len(bins))
+        if j == len(bins):
+            bins.append([])
+            free.append(capacity)
+        bins[j].append(i)
+        free[j] -= lengths[i]
+    return bins
+
+
 def pad_rows(rows: Sequence[Sequence[int]], pad: int, multiple: int = 16, extra: int = 0) -> np.ndarray:
     """Right-pad int rows to one length, `extra` plus a rung of `ladder(.., multiple)`, so few distinct shapes occur.
 

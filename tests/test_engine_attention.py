@@ -107,7 +107,7 @@ def test_exclusion_mask_equals_the_block_mask(geometry):
 
 @pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16])
 def test_exclusion_mask_in_half_precision(dtype):
-    """The penalty (-131072 on the raw score) is exact in bf16/fp16 and hides the keys completely: the output
+    """The penalty (-16384 on the raw score) is exact in bf16/fp16 and hides the keys completely: the output
     equals the masked sdpa's in the same dtype to its rounding, far from the unmasked one."""
     q, k, v = qkv(2, 4, 2, 48, 16, seed=24, dtype=dtype)
     spans, keep = exclusion_case(2, 48, 25)

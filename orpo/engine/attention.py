@@ -18,10 +18,15 @@ from orpo.engine.flash import flash_backward, flash_fits, flash_forward, spans_f
 
 
 # Extra head dims carrying the exclusion (cuDNN wants head dims in multiples of 8), and the magnitude in
-# each: a query flag S times a key penalty -S in all 8 dims adds -8 S^2 = -131072 to the raw score, far
-# below any real score, so exp() of it is exactly 0 in float32; 128 is exact in bf16 and fp16.
+# each: a query flag S times a key penalty -S adds -S^2 = -16384 to the raw score (at most -1024 once scaled,
+# for head dims up to 256), far below any real score, so exp() of it is exactly 0 in float32; 128 is exact in
+# bf16 and fp16, and a product that is not hidden is exactly 0. Dim 0 hides chosen's keys from rejected's
+# queries; dim 1 + b hides the keys of a row's pairs 0..b from the queries of its later pairs (packed rows).
 EXCLUSION_DIMS = 8
 EXCLUSION_SCALE = 128.0
+# Packed rows (Layout.segments, Layout.roles): what each token is, and the most pairs a row holds.
+PROMPT, CHOSEN, REJECTED = 0, 1, 2
+MAX_PAIRS_PER_ROW = EXCLUSION_DIMS
 # MLX 0.32's CUDA attention runs cuDNN only for head dims up to 128 (supports_sdpa_cudnn); wider falls back
 # to the unfused attention, which keeps [B, H, L, L] scores (enough to put a Mistral-7B step on real-length
 # rows out of an H200's memory).
@@ -62,10 +67,21 @@ def exclusion_mask(spans: mx.array, length: int, dtype: mx.Dtype) -> ExclusionMa
     """The ExclusionMask of hidden spans [B, 2] over rows of `length` tokens."""
     pos = mx.arange(length)[None]
     flagged = pos >= spans[:, 1:]
-    excluded = (pos >= spans[:, :1]) & ~flagged
-    shape = (*flagged.shape, EXCLUSION_DIMS)
-    q = mx.broadcast_to(flagged[..., None], shape).astype(dtype) * EXCLUSION_SCALE
-    k = mx.broadcast_to(excluded[..., None], shape).astype(dtype) * -EXCLUSION_SCALE
+    return _exclusion(flagged, (pos >= spans[:, :1]) & ~flagged, None, dtype)
+
+
+def packed_exclusion_mask(segments: mx.array, roles: mx.array, dtype: mx.Dtype) -> ExclusionMask:
+    """The ExclusionMask of packed rows: per token [B, L] its pair's place in the row and its role; a query sees
+    only its own pair's keys, and rejected's queries not chosen's."""
+    return _exclusion(roles == REJECTED, roles == CHOSEN, segments, dtype)
+
+
+def _exclusion(flagged: mx.array, excluded: mx.array, segments: mx.array | None, dtype: mx.Dtype) -> ExclusionMask:
+    zero = mx.zeros_like(flagged)
+    later = [segments > b if segments is not None else zero for b in range(EXCLUSION_DIMS - 1)]
+    earlier = [segments <= b if segments is not None else zero for b in range(EXCLUSION_DIMS - 1)]
+    q = mx.stack([flagged, *later], axis=-1).astype(dtype) * EXCLUSION_SCALE
+    k = mx.stack([excluded, *earlier], axis=-1).astype(dtype) * -EXCLUSION_SCALE
     return ExclusionMask(q[:, None], k[:, None])
 
 

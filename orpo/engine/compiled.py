@@ -38,7 +38,7 @@ def kept_count(owner: nn.Module) -> int:
     return len(_kept(owner))
 
 
-LAYOUT_FIELDS = ("tokens", "positions", "hidden_spans")
+LAYOUT_FIELDS = ("tokens", "positions", "hidden_spans", "segments", "roles")
 
 
 def layout_arrays(layout: Layout) -> tuple[tuple[Hashable, ...], dict[str, mx.array]]:

@@ -18,7 +18,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.models.base import create_attention_mask
 
-from orpo.engine.attention import SplitRows, tight_mask
+from orpo.engine.attention import CHOSEN, REJECTED, SplitRows, packed_exclusion_mask, tight_mask
 from orpo.engine.forward import FAMILIES, check_mlx_lm, check_parts, family_of, run_layers
 
 
@@ -40,13 +40,17 @@ class Layout:
 
     Packed rows: `positions[r, i]` the RoPE position of token i; `hidden_spans[r]` (first, end) the keys row r's
     queries from `end` on may not see (beyond that, causal: rejected blind to chosen); `split`, where the rows are
-    laid out for it, lets attention run as SplitRows.
+    laid out for it, lets attention run as SplitRows. Rows of several pairs carry `segments[r, i]`, the place of
+    token i's pair in its row (a query sees its own pair's keys only), and `roles[r, i]` (PROMPT, CHOSEN or
+    REJECTED: rejected's queries do not see chosen's keys) instead of hidden spans.
     """
 
     tokens: mx.array
     positions: mx.array | None = None
     hidden_spans: mx.array | None = None
     split: SplitRows | None = None
+    segments: mx.array | None = None
+    roles: mx.array | None = None
 
     @property
     def plain(self) -> bool:
@@ -56,6 +60,10 @@ class Layout:
         """[B, L, L] booleans: query q may attend to key k (causality included); built on the device."""
         n = self.tokens.shape[1]
         causal = mx.tril(mx.ones((n, n), mx.bool_))[None]
+        if self.segments is not None:
+            same = self.segments[:, :, None] == self.segments[:, None, :]
+            blind = (self.roles[:, :, None] == REJECTED) & (self.roles[:, None, :] == CHOSEN)
+            return causal & same & ~blind
         pos = mx.arange(n)[None]
         first, end = self.hidden_spans[:, :1], self.hidden_spans[:, 1:]
         restricted, hidden = pos >= end, (pos >= first) & (pos < end)
@@ -130,8 +138,11 @@ class Stack:
             if layout.plain:
                 built[w] = create_attention_mask(h, None, window_size=w, return_array=self.array_masks)
             elif w is None and not self.array_masks:
-                head_dim = head_dim_of(self.model)
-                built[w] = layout.split or tight_mask(layout.hidden_spans, h.shape[1], head_dim, h.dtype)
+                if layout.segments is not None:
+                    built[w] = packed_exclusion_mask(layout.segments, layout.roles, h.dtype)
+                else:
+                    head_dim = head_dim_of(self.model)
+                    built[w] = layout.split or tight_mask(layout.hidden_spans, h.shape[1], head_dim, h.dtype)
             else:
                 mask = layout.visible()
                 if w is not None:

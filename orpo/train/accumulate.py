@@ -11,21 +11,27 @@ from mlx.utils import tree_map
 MicroStep = Callable[[int, dict[str, mx.array]], tuple[dict[str, mx.array], Any]]
 
 
-def accumulate_grads(micro_step: MicroStep, n: int) -> tuple[Any, dict[str, mx.array]]:
+def accumulate_grads(micro_step: MicroStep, n: int, shares: list[float] | None = None) -> tuple[Any, dict[str, mx.array]]:
     """Mean gradients and metrics of `micro_step(0..n-1)`, each adding its gradients into the running sums.
 
-    With equal-size micro-batches (the loss a mean over pairs) their mean gradient is the whole batch's. The sums
-    are evaluated after every micro-batch, so its graph is freed before the next is built, and only the sums dict
-    holds them, so each addition reuses the old sum's buffer: peak memory does not grow with `n`.
+    With equal-size micro-batches (the loss a mean over pairs) their mean gradient is the whole batch's. With
+    `shares` (each micro-batch's part of the step's pairs, its loss already scaled by it) the sums are the step's
+    mean and the metrics are weighted by them. The sums are evaluated after every micro-batch, so its graph is
+    freed before the next is built, and only the sums dict holds them, so each addition reuses the old sum's
+    buffer: peak memory does not grow with `n`.
     """
     sums: dict[str, mx.array] = {}
     total_metrics: dict[str, mx.array] = {}
     for j in range(n):
         grads = None  # `sums` alone references the running sums while the next micro-batch adds into them
         metrics, grads = micro_step(j, sums)
+        if shares is not None:
+            metrics = {k: v * shares[j] for k, v in metrics.items()}
         total_metrics = dict(metrics) if j == 0 else {k: total_metrics[k] + metrics[k] for k in total_metrics}
         mx.eval(grads, total_metrics)
     sums.clear()
+    if shares is not None:
+        return grads, total_metrics
     if n == 1:
         return grads, total_metrics  # exactly the single batch's values
     inv = 1.0 / n

@@ -95,6 +95,16 @@ def widest_micro_batch(pairs: Pairs, batch_size: int, lengths: list[int]) -> Pai
     return pairs.select(longest)
 
 
+def widest_extent(sess: Any) -> tuple[int, int, int]:
+    """(rows, width, scored tokens) of the widest micro-batch the session's steps build: pack_rows rows of
+    pack_width when packed (every scored position counted), else `widest_micro_batch`'s."""
+    e = sess.engine
+    if e.pack_width:
+        return e.pack_rows, e.pack_width, e.pack_rows * e.pack_width
+    return micro_batch_extent(widest_micro_batch(sess.train, sess.s.batch_size, sess.lengths), e,
+                              sess.resolved.tight_rows, sess.s.nll_span)
+
+
 def micro_batch_extent(pairs: Pairs, engine: EngineSettings, tight: bool, nll_span: str = "response") -> tuple[int, int, int]:
     """(rows, width, scored tokens) of the forward `pairs` make as one micro-batch: the rows the step builds
     (shared, tight, split or two forwards; padded as the engine pads them)."""
@@ -121,8 +131,7 @@ def predict_memory(sess: Any, engine: EngineSettings | None = None,
     session's engine or `engine` (the planner's candidates), with the backward it takes for that micro-batch."""
     s = sess.s
     e = engine or sess.engine
-    rows, width, scored = extent or micro_batch_extent(widest_micro_batch(sess.train, s.batch_size, sess.lengths), e,
-                                                       sess.resolved.tight_rows, s.nll_span)
+    rows, width, scored = extent or widest_extent(sess)
     backward = dataclasses.replace(e, segment_layers=e.segments_for(rows * width))
     # Accumulating, the running sums beside a micro-batch's gradients (a segment's where the segmented backward
     # adds them in as it goes); data parallel, the all-reduced copy.
@@ -174,8 +183,7 @@ def plan_memory(sess: Any, configured: EngineSettings) -> tuple[dict[str, int], 
     layers = max(1, getattr(sess.model.args, "num_hidden_layers", 1))
     budget = memory_budget(sess.engine)
     # The rows do not depend on the plan: built once for every candidate.
-    extent = micro_batch_extent(widest_micro_batch(sess.train, sess.s.batch_size, sess.lengths), sess.engine,
-                                sess.resolved.tight_rows, sess.s.nll_span)
+    extent = widest_extent(sess)
     segments = [0, *range(max(1, layers // 2), 0, -1)] if "segment_layers" in auto else [sess.engine.segment_layers]
     candidates = [dataclasses.replace(sess.engine, segment_layers=k) for k in segments]
     if "mlp_chunks" in auto and segments[-1] and not mlp_dropout(sess.model.model.layers):

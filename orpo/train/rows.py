@@ -14,7 +14,7 @@ import mlx.core as mx
 import numpy as np
 
 from orpo.batching import ladder, pad_rows
-from orpo.engine.attention import SplitRows
+from orpo.engine.attention import CHOSEN, MAX_PAIRS_PER_ROW, PROMPT, REJECTED, SplitRows
 from orpo.engine.stack import Layout
 from orpo.train.data import Pairs, pair_batch
 
@@ -38,6 +38,7 @@ class PackedPairs:
     row_tokens: int = 0
     two_forward_tokens: int = 0
     nll_weights: mx.array | None = None
+    share: mx.array | None = None  # packed steps: this micro-batch's pairs / the step's, scaling its loss
 
     def signature(self) -> tuple:
         """What a compiled step is traced for: the rows' shape, the targets' count and the split structure."""
@@ -80,14 +81,15 @@ def _targets(layout: Layout, index: list[int], targets: list[int], groups: list[
                        two_forward_tokens, nll)
 
 
-def _prompt_targets(pairs: Pairs, width: int, nll_span: str) -> tuple[list[int], list[int], list[int]] | None:
+def _prompt_targets(pairs: Pairs, bases: list[int], nll_span: str) -> tuple[list[int], list[int], list[int]] | None:
     """Each chosen prompt's tokens as targets (flat index, token, count per pair); None for the response span.
-    Both layouts hold pair i's chosen sequence from column 0 of row i: prompt token t >= 1 is predicted at t - 1."""
+    Every layout holds pair i's chosen sequence from flat index bases[i] on: prompt token t >= 1 is predicted at
+    bases[i] + t - 1."""
     if nll_span == "response":
         return None
     index, targets, counts = [], [], []
     for i, p in enumerate(pairs.prompt):
-        index += [i * width + t - 1 for t in range(1, len(p))]
+        index += [bases[i] + t - 1 for t in range(1, len(p))]
         targets += p[1:]
         counts.append(max(0, len(p) - 1))
     return index, targets, counts
@@ -111,18 +113,42 @@ def plain_rows(pairs: Pairs, input_multiple: int | None = None, nll_span: str = 
     real = sum(2 * len(p) + len(c) + len(r) for p, c, r in zip(pairs.prompt, pairs.chosen, pairs.rejected))
     return _targets(Layout(mx.array(tokens[:, :-1])), (rows * width + cols).tolist(), tokens[rows, cols + 1].tolist(),
                     scored.sum(axis=1).tolist(), input_multiple or 16, real, real, 0,
-                    _prompt_targets(pairs, width, nll_span))
+                    _prompt_targets(pairs, [i * width for i in range(len(pairs))], nll_span))
 
 
-def shared_rows(pairs: Pairs, input_multiple: int | None = None, attention: str = "auto",
-                tight: bool = True, nll_span: str = "response") -> PackedPairs:
-    """Prefix sharing: one row per pair holding its prompt once, chosen, then rejected blind to chosen.
+@dataclass
+class _Blocks:
+    """Each pair's shared-prefix block: `heads[i]` [prompt; chosen[:-1]], `tails[i]` rejected's own tokens,
+    `shared[i]` the prompt length they share (0 where the prompts differ: `fallbacks` counts those), the
+    scored token positions of each side and their tokens (chosen sequences, then rejected)."""
 
-    `attention` "split" takes aligned rows ([prompt; chosen[:-1]; pad | rejected own; pad]), "exclusion" tight
-    ones ([prompt; chosen[:-1]; rejected own; pad]), "auto" chooses (docs/architecture.md), taking the plain rows
-    where tight ones would be chosen but not `tight`. A pair whose prompts differ gets two blocks, and is counted.
-    """
-    multiple = input_multiple or 16
+    heads: list[list[int]]
+    tails: list[list[int]]
+    shared: list[int]
+    scored: tuple[list[list[int]], list[list[int]]]
+    targets: list[int]
+    fallbacks: int
+
+    def lengths(self) -> list[int]:
+        return [len(h) + len(t) for h, t in zip(self.heads, self.tails)]
+
+    def where(self, starts: list[int]) -> tuple[list[list[int]], list[list[int]]]:
+        """Per pair, the offsets from its block's start of the hidden states predicting its scored tokens (chosen,
+        rejected), rejected's block at offset `starts[i]`: token t is predicted from position t-1, for rejected in
+        the shared prompt or in its own block."""
+        return ([[t - 1 for t in sc] for sc in self.scored[0]],
+                [[t - 1 if t <= p else start + t - 1 - p for t in sr]
+                 for sr, p, start in zip(self.scored[1], self.shared, starts)])
+
+    def two_forward_tokens(self) -> int:
+        return sum(len(h) + len(t) + p + 2 for h, t, p in zip(self.heads, self.tails, self.shared))
+
+    def counts(self) -> list[int]:
+        """Scored tokens per sequence: every chosen one, then every rejected one."""
+        return [len(g) for g in self.scored[0] + self.scored[1]]
+
+
+def _blocks(pairs: Pairs) -> _Blocks:
     heads, tails, shared = [], [], []
     scored, targets = ([], []), ([], [])  # (chosen, rejected), per pair
     fallbacks = 0
@@ -140,8 +166,26 @@ def shared_rows(pairs: Pairs, input_multiple: int | None = None, attention: str 
         scored[1].append(sr)
         targets[0].extend(full_c[t] for t in sc)
         targets[1].extend(full_r[t] for t in sr)
-    lengths = [len(h) + len(t) for h, t in zip(heads, tails)]
-    tight_width = ladder(max(lengths), multiple)
+    return _Blocks(heads, tails, shared, scored, targets[0] + targets[1], fallbacks)
+
+
+def block_lengths(pairs: Pairs) -> list[int]:
+    """Per pair, the positions of its shared-prefix block (a tight row's, or its part of a packed row)."""
+    return _blocks(pairs).lengths()
+
+
+def shared_rows(pairs: Pairs, input_multiple: int | None = None, attention: str = "auto",
+                tight: bool = True, nll_span: str = "response") -> PackedPairs:
+    """Prefix sharing: one row per pair holding its prompt once, chosen, then rejected blind to chosen.
+
+    `attention` "split" takes aligned rows ([prompt; chosen[:-1]; pad | rejected own; pad]), "exclusion" tight
+    ones ([prompt; chosen[:-1]; rejected own; pad]), "auto" chooses (docs/architecture.md), taking the plain rows
+    where tight ones would be chosen but not `tight`. A pair whose prompts differ gets two blocks, and is counted.
+    """
+    multiple = input_multiple or 16
+    blocks = _blocks(pairs)
+    heads, tails, shared = blocks.heads, blocks.tails, blocks.shared
+    tight_width = ladder(max(blocks.lengths()), multiple)
     aligned_width = ladder(max(map(len, heads)), multiple) + ladder(max(map(len, tails)), multiple)
     aligned = attention == "split" or (attention == "auto" and len(set(shared)) == 1 and aligned_width <= tight_width)
     if not aligned and attention == "auto" and not tight:
@@ -154,16 +198,51 @@ def shared_rows(pairs: Pairs, input_multiple: int | None = None, attention: str 
         tokens = pad_rows([h + t for h, t in zip(heads, tails)], 0, multiple)
         starts = [len(h) for h in heads]
     width = tokens.shape[1]
-    # Token t is predicted from position t-1: for rejected, in the shared prompt or in its own block.
-    where = ([[t - 1 for t in sc] for sc in scored[0]],
-             [[t - 1 if t <= p else start + t - 1 - p for t in sr] for sr, p, start in zip(scored[1], shared, starts)])
-    index = [i * width + j for side in where for i, idx in enumerate(side) for j in idx]
+    index = [i * width + j for side in blocks.where(starts) for i, idx in enumerate(side) for j in idx]
     # Alignment of rejected's attention only where widths are asked for (CUDA's 128: SplitRows explains why).
     split = _split_rows(shared, starts[0], input_multiple or 1) if aligned else None
-    two_forward = sum(len(h) + len(t) + p + 2 for h, t, p in zip(heads, tails, shared))  # both whole sequences
-    return _targets(_block_layout(tokens, np.array(shared), np.array(starts), split), index, targets[0] + targets[1],
-                    [len(g) for g in scored[0] + scored[1]], multiple, two_forward - sum(shared), two_forward,
-                    fallbacks, _prompt_targets(pairs, width, nll_span))
+    two_forward = blocks.two_forward_tokens()
+    bases = [i * width for i in range(len(pairs))]
+    return _targets(_block_layout(tokens, np.array(shared), np.array(starts), split), index, blocks.targets,
+                    blocks.counts(), multiple, two_forward - sum(shared), two_forward, blocks.fallbacks,
+                    _prompt_targets(pairs, bases, nll_span))
+
+
+def packed_rows(pairs: Pairs, per_row: list[int], width: int, multiple: int = 16,
+                nll_span: str = "response") -> PackedPairs:
+    """Several pairs per row: row r holds the next per_row[r] pairs' blocks ([prompt; chosen[:-1]; rejected own])
+    one after another, then padding to `width`; each pair's tokens attend only within its block, rejected blind
+    to chosen (Layout.segments and roles), RoPE positions restarted per block."""
+    if sum(per_row) != len(pairs) or max(per_row) > MAX_PAIRS_PER_ROW:
+        raise ValueError(f"rows of {per_row} pairs for {len(pairs)} pairs (at most {MAX_PAIRS_PER_ROW} a row)")
+    blocks = _blocks(pairs)
+    tokens = np.zeros((len(per_row), width), np.int32)
+    positions = np.zeros_like(tokens)
+    roles = np.full_like(tokens, PROMPT)
+    segments = np.repeat(np.minimum(per_row, MAX_PAIRS_PER_ROW - 1), width).reshape(tokens.shape)  # padding: its own
+    bases = []
+    i = 0
+    for r, count in enumerate(per_row):
+        at = 0
+        for place in range(count):
+            head, tail, p = blocks.heads[i], blocks.tails[i], blocks.shared[i]
+            end = at + len(head) + len(tail)
+            if end > width:
+                raise ValueError(f"row {r}: its pairs' blocks take {end} positions, more than the width {width}")
+            tokens[r, at:end] = head + tail
+            positions[r, at:end] = [*range(len(head)), *range(p, p + len(tail))]
+            roles[r, at + p:at + len(head)] = CHOSEN
+            roles[r, at + len(head):end] = REJECTED
+            segments[r, at:end] = place
+            bases.append(r * width + at)
+            at, i = end, i + 1
+    where = blocks.where([len(h) for h in blocks.heads])
+    index = [bases[i] + j for side in where for i, idx in enumerate(side) for j in idx]
+    two_forward = blocks.two_forward_tokens()
+    layout = Layout(mx.array(tokens), mx.array(positions), segments=mx.array(segments, mx.int32),
+                    roles=mx.array(roles))
+    return _targets(layout, index, blocks.targets, blocks.counts(), multiple, two_forward - sum(blocks.shared),
+                    two_forward, blocks.fallbacks, _prompt_targets(pairs, bases, nll_span))
 
 
 def _split_rows(shared: list[int], start: int, align: int) -> SplitRows:

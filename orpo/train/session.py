@@ -35,8 +35,9 @@ from orpo.train.launch import resolve_backend
 from orpo.train.lora import apply_lora, warm_start
 from orpo.train.objectives import Objective, PairLoss, pair_objective
 from orpo.train.settings import EngineSettings, Machine, ResolvedRun, TrainSettings
+from orpo.train.rows import block_lengths
 from orpo.train.step import (MicroBatch, batch_value_and_grad, check_attention, pair_scores, prepare,
-                             reference_model, resolve_engine, row_lengths, tight_rows_fit)
+                             prepare_packed_step, reference_model, resolve_engine, row_lengths, tight_rows_fit)
 
 
 class TrainingError(RuntimeError):
@@ -97,6 +98,12 @@ class Session:
     def __post_init__(self) -> None:
         check_attention(self.model, self.engine)
         self.lengths = row_lengths(self.train, self.engine, self.resolved.tight_rows)
+        self.blocks = block_lengths(self.train) if self.engine.pack_width else None
+        if self.blocks and max(self.blocks) > self.engine.pack_width:
+            i = max(range(len(self.blocks)), key=self.blocks.__getitem__)
+            raise ValueError(f"train.engine.pack_width {self.engine.pack_width}: pair {self.train.ids[i]!r} takes "
+                             f"{self.blocks[i]} positions (its prompt once and both responses); set pack_width to "
+                             f"at least that, a multiple of {self.engine.input_multiple or 16}")
         self.objective = Objective.of(self.s)
         self.lambdas = lambda_schedule(self.s)
 
@@ -130,6 +137,10 @@ class Session:
     def prepare(self, step: int) -> list[MicroBatch]:
         """Step `step`'s micro-batches as rows (host work only: runs while the device computes the step before)."""
         tight = self.resolved.tight_rows
+        if self.blocks:  # this rank's pairs of the step, packed
+            rows = [r for piece in self.micro_batches(step) for r in piece]
+            return prepare_packed_step(self.train.select(rows), [self.blocks[r] for r in rows], self.engine,
+                                       self.s.nll_span)
         return [prepare(self.train.select(rows), self.engine, tight, self.s.nll_span) for rows in self.micro_batches(step)]
 
     def run(self, step: int, batches: list[MicroBatch]) -> StepResult:
@@ -148,7 +159,8 @@ class Session:
                 return metrics, grads
 
             seen = len(self.signatures)
-            grads, metrics = accumulate_grads(micro, len(batches))
+            shares = [b.share for b in batches] if self.blocks else None
+            grads, metrics = accumulate_grads(micro, len(batches), shares)
             counts = {k: sum(getattr(b, k) for b in batches)
                       for k in ("scored", "row_tokens", "two_forward_tokens", "positions")}
             counts["new_shapes"] = len(self.signatures) - seen  # each a new trace of a compiled step

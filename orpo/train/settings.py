@@ -45,6 +45,8 @@ class EngineSettings:
     prefix_attention: str
     attention_backward: str
     width_multiple: int
+    pack_width: int
+    pack_rows: int
     compile: bool | str
     overlap: int
     memory_limit_gb: float
@@ -177,7 +179,8 @@ class Machine:
 
 
 # Settings added after runs were recorded, by section: the value such a run computed with.
-ADDED_SINCE_RECORDED: dict[str, dict[str, Any]] = {"engine": {"attention_backward": "fused", "segment_min_positions": 0}}
+ADDED_SINCE_RECORDED: dict[str, dict[str, Any]] = {"engine": {"attention_backward": "fused", "segment_min_positions": 0,
+                                                               "pack_width": 0, "pack_rows": 1}}
 
 
 def as_recorded(settings: Mapping[str, Any]) -> Mapping[str, Any]:

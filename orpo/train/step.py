@@ -16,8 +16,9 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from orpo.batching import first_fit
 from orpo.device import on_cuda, on_gpu
-from orpo.engine.attention import tight_attention_fits
+from orpo.engine.attention import MAX_PAIRS_PER_ROW, exclusion_fits, tight_attention_fits
 from orpo.engine.compiled import kept, layout_arrays, layout_from
 from orpo.engine.head import (LMHead, fused_logp_eager, lm_head_of, mean_logps_from_logits, response_mean_logps,
                               token_logp)
@@ -26,7 +27,7 @@ from orpo.engine.stack import Stack, activation_dtype, head_dim_of
 from orpo.train.data import Pairs, pair_batch, pair_lengths, pair_tokens
 from orpo.train.lora import adapters_off, refuse_mlp_dropout
 from orpo.train.objectives import PairLoss, pair_loss_of, pair_objective
-from orpo.train.rows import PackedPairs, plain_rows, shared_rows
+from orpo.train.rows import PackedPairs, packed_rows, plain_rows, shared_rows
 from orpo.train.settings import EngineSettings
 
 # --- the settings ---
@@ -72,11 +73,24 @@ def tight_rows_fit(model: nn.Module) -> bool:
 
 
 def check_attention(model: nn.Module, engine: EngineSettings) -> None:
-    """Refuse a prefix attention that would run MLX's unfused fallback on this model and device."""
+    """Refuse a prefix attention that would run MLX's unfused fallback on this model and device, and packed rows
+    where they cannot be built or attended."""
     if engine.prefix_sharing is True and engine.prefix_attention == "exclusion" and not tight_rows_fit(model):
         raise ValueError(f"train.engine.prefix_attention: exclusion rows of this model (head dim "
                          f"{head_dim_of(model)}, {activation_dtype(model)}) have no fused attention on CUDA (the "
                          "fallback keeps [B, H, L, L] scores); use auto or split, or compute in bfloat16")
+    if not engine.pack_width:
+        return
+    where = f"train.engine.pack_width {engine.pack_width}"
+    if engine.prefix_sharing is not True or engine.prefix_attention == "split":
+        raise ValueError(f"{where}: packed rows are prefix-shared rows attended with the exclusion dims: set "
+                         "prefix_sharing true (or auto) and prefix_attention auto or exclusion")
+    if not exclusion_fits(head_dim_of(model), on_cuda()):
+        raise ValueError(f"{where}: the exclusion dims take this model's head dim ({head_dim_of(model)}) past the "
+                         "one MLX's CUDA attention runs fused; set pack_width 0")
+    multiple = engine.input_multiple or 16
+    if engine.pack_width % multiple:
+        raise ValueError(f"{where}: not a multiple of the rows' width multiple {multiple}")
 
 
 # --- pairs -> rows ---
@@ -112,6 +126,7 @@ class MicroBatch:
 
     `packed`: the engine's rows; `plain`: the oracle path's [chosen; rejected] tokens and mask, `plain_nll` its
     NLL mask for the prompt_and_response span. Counts as PackedPairs has them; `positions` includes padding.
+    `share`: in a packed step, this micro-batch's part of the step's pairs (its loss is scaled by it).
     """
 
     n: int
@@ -122,6 +137,7 @@ class MicroBatch:
     packed: PackedPairs | None = None
     plain: tuple[mx.array, mx.array] | None = None
     plain_nll: mx.array | None = None
+    share: float | None = None
 
     def signature(self) -> tuple:
         """The shapes (and split structure) a compiled step is traced for: one trace per distinct signature."""
@@ -132,15 +148,39 @@ def prepare(pairs: Pairs, engine: EngineSettings, tight: bool = True, nll_span: 
     """The forward rows of `pairs` for the resolved engine settings (host work only; `tight` as `pack` takes it)."""
     e = _resolved(engine)
     n = len(pairs)
-    scored = sum(map(sum, pairs.chosen_mask + pairs.rejected_mask))
     if e.plain:
         tokens, mask = pair_batch(pairs, list(range(n)), e.input_multiple)
         full = sum(2 * len(p) + len(c) + len(r) for p, c, r in zip(pairs.prompt, pairs.chosen, pairs.rejected))
         nll = prompt_nll_mask(pairs, mask) if nll_span == "prompt_and_response" else None
-        return MicroBatch(n, scored, full, full, int(tokens.size), plain=(tokens, mask), plain_nll=nll)
-    packed = pack(pairs, e, tight, nll_span)
-    return MicroBatch(n, scored, packed.row_tokens, packed.two_forward_tokens, int(packed.layout.tokens.size),
-                      packed=packed)
+        return MicroBatch(n, _scored_tokens(pairs), full, full, int(tokens.size), plain=(tokens, mask), plain_nll=nll)
+    return _micro_batch(pairs, pack(pairs, e, tight, nll_span))
+
+
+def prepare_packed_step(pairs: Pairs, lengths: list[int], engine: EngineSettings,
+                        nll_span: str = "response") -> list[MicroBatch]:
+    """One step's pairs (`lengths`: their block_lengths) in rows of train.engine.pack_width positions, placed
+    first-fit longest first, pack_rows rows a micro-batch; each micro-batch's loss is scaled by its share of the
+    step's pairs, so the summed gradients are the step's mean."""
+    e = _resolved(engine)
+    bins = first_fit(lengths, e.pack_width, MAX_PAIRS_PER_ROW)
+    out = []
+    for first in range(0, len(bins), e.pack_rows):
+        group = bins[first:first + e.pack_rows]
+        chosen = pairs.select([i for row in group for i in row])
+        packed = packed_rows(chosen, [len(row) for row in group], e.pack_width, e.input_multiple or 16, nll_span)
+        share = len(chosen) / len(pairs)
+        packed.share = mx.array(share, mx.float32)
+        out.append(_micro_batch(chosen, packed, share))
+    return out
+
+
+def _scored_tokens(pairs: Pairs) -> int:
+    return sum(map(sum, pairs.chosen_mask + pairs.rejected_mask))
+
+
+def _micro_batch(pairs: Pairs, packed: PackedPairs, share: float | None = None) -> MicroBatch:
+    return MicroBatch(len(pairs), _scored_tokens(pairs), packed.row_tokens, packed.two_forward_tokens,
+                      int(packed.layout.tokens.size), packed=packed, share=share)
 
 
 # --- rows -> log-probs ---
@@ -194,7 +234,8 @@ def naive_pair_loss(model: nn.Module, tokens: mx.array, mask: mx.array, n: int, 
 def packed_loss(logp: mx.array, packed: PackedPairs, loss: PairLoss | float) -> tuple[mx.array, dict[str, mx.array]]:
     """The loss and metrics of packed pairs from the log-probs of packed.targets."""
     logps, nll_logp = sequence_logps(logp, packed)
-    return pair_objective(loss, logps, (packed.weights > 0).astype(mx.float32).sum(axis=-1), nll_logp)
+    value, metrics = pair_objective(loss, logps, (packed.weights > 0).astype(mx.float32).sum(axis=-1), nll_logp)
+    return (value if packed.share is None else value * packed.share), metrics
 
 
 def whole_loss(model: nn.Module, packed: PackedPairs, loss: PairLoss | float,
@@ -273,19 +314,20 @@ def _compiled_whole(model: nn.Module, packed: PackedPairs, loss: PairLoss,
     structure, arrays = layout_arrays(packed.layout)
     nll = [] if packed.nll_weights is None else [packed.nll_weights]
     ref = [] if loss.ref is None else [loss.ref]
+    share = [] if packed.share is None else [packed.share]
 
     def build() -> Any:
         def value(arrays: dict[str, mx.array], index: mx.array, targets: mx.array, weights: mx.array,
-                  nll: list[mx.array], lam: mx.array, ref: list[mx.array]) -> Any:
+                  nll: list[mx.array], lam: mx.array, ref: list[mx.array], share: list[mx.array]) -> Any:
             p = PackedPairs(layout_from(structure, arrays), index, targets, weights, 0,
-                            nll_weights=nll[0] if nll else None)
+                            nll_weights=nll[0] if nll else None, share=share[0] if share else None)
             return whole_loss(model, p, PairLoss(loss.objective, lam, ref[0] if ref else None), e)
 
         return mx.compile(nn.value_and_grad(model, value), inputs=model.state, outputs=model.state)
 
-    key = ("whole", e, loss.objective, structure, len(nll), len(ref))
+    key = ("whole", e, loss.objective, structure, len(nll), len(ref), len(share))
     lam = mx.array(loss.lam, mx.float32)
-    return kept(model, key, build)(arrays, packed.index, packed.targets, packed.weights, nll, lam, ref)
+    return kept(model, key, build)(arrays, packed.index, packed.targets, packed.weights, nll, lam, ref, share)
 
 
 def _segmented(model: nn.Module, packed: PackedPairs, loss: PairLoss, e: EngineSettings,

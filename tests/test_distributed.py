@@ -199,9 +199,10 @@ def test_processes_without_a_launcher_is_a_clear_error(tiny_base, short):
 
 
 def test_two_ranks_with_the_cuda_default_engine_equal_one_process(tiny_base, short, tmp_path):
-    """The engine as CUDA runs it by default (fused head, widths of 128, prefix sharing, compiled), here on
-    the CPU: 2 ranks equal one process with twice the batch, and the run replays bit for bit."""
-    engine = {"head": "fused", "width_multiple": 128, "prefix_sharing": True, "compile": True}
+    """The engine as CUDA runs it by default (fused head, widths of 128, prefix sharing, compiled, pairs packed in
+    rows, each rank packing its own), here on the CPU: 2 ranks equal one process with twice the batch, and the run
+    replays bit for bit."""
+    engine = {"head": "fused", "width_multiple": 128, "prefix_sharing": True, "compile": True, "pack_width": 256}
     one = tmp_path / "one"
     train(tiny_base, short, one, train_settings({**SETTINGS, "batch_size": 4, "engine": engine}))
     two = tmp_path / "two"
@@ -211,7 +212,8 @@ def test_two_ranks_with_the_cuda_default_engine_equal_one_process(tiny_base, sho
     for k in a:
         rel = float(mx.linalg.norm((a[k] - b[k]).flatten()) / mx.linalg.norm(a[k].flatten()))
         assert float(mx.abs(a[k] - b[k]).max()) <= ADAPTER_ATOL and rel <= ADAPTER_RTOL, (k, rel)
-    assert json.loads((two / "settings.json").read_text())["resolved"]["settings"]["engine"]["compile"] is True
+    recorded = json.loads((two / "settings.json").read_text())["resolved"]["settings"]["engine"]
+    assert recorded["compile"] is True and recorded["pack_width"] == 256 and recorded["pack_rows"] >= 1
     out = tmp_path / "replay.json"
     done = _orpo("replay", "--run", str(two), "--model", str(tiny_base), "--rendered", str(short),
                  "--checkpoint", str(STEPS), "--from", "previous", "--out", str(out))

@@ -71,7 +71,7 @@ def test_each_packed_pair_sees_only_itself(variant):
             hidden = (q >= at + start) & (k >= at + first) & (k < at + start)
             expected[r] |= inside & ~hidden
             at, i = at + n, i + 1
-        assert (np.array(lay.tokens[r, at:]) == 0).all()
+        assert (np.array(lay.tokens)[r, at:] == 0).all()  # sliced in numpy: an empty MLX slice fails on CUDA
     got = np.array(lay.visible())
     real = expected.any(axis=2)  # padding's queries (never scored) see only padding
     assert np.array_equal(got[real], expected[real])
@@ -128,7 +128,7 @@ def test_a_packed_step_equals_the_naive_step_over_its_pairs(family, engine, span
 def test_packed_rows_are_checked():
     model = tiny_model("llama")
     with pytest.raises(ValueError, match="pack_width 40: not a multiple of the rows' width multiple 16"):
-        check_attention(model, resolved({"prefix_sharing": True, "pack_width": 40}))
+        check_attention(model, resolved({"prefix_sharing": True, "pack_width": 40, "width_multiple": 16}))
     with pytest.raises(ValueError, match="packed rows are prefix-shared rows"):
         check_attention(model, resolved({"prefix_sharing": False, "pack_width": 48}))
     with pytest.raises(ValueError, match="packed rows are prefix-shared rows"):
@@ -168,3 +168,26 @@ def test_a_packed_run_ends_near_the_naive_run_and_replays(tiny_base, short_rende
     with pytest.raises(ValueError, match=r"train.engine.pack_width 16: pair '.+' takes \d+ positions"):
         train(tiny_base, short_rendered, tmp_path / "narrow",
               train_settings({**settings, "engine": {**packed, "pack_width": 16}}))
+
+
+def test_auto_packs_on_cuda_where_the_exclusion_dims_fit():
+    """auto: on CUDA, rows of the longest pair's positions on the width ladder, rows a micro-batch nearest
+    batch_size pairs of the mean length; off elsewhere, for pairs of one length, at a head dim of 128 and with split
+    rows; set values stay."""
+    from orpo.batching import ladder
+    from orpo.train.settings import engine_settings
+    from orpo.train.step import plan_packing
+
+    model = tiny_model("llama")
+    lengths = [2056, 900, 700, 500] * 4
+    auto = engine_settings({"width_multiple": 128})
+    assert plan_packing(auto, model, lengths, 4, cuda=True) == {"pack_width": 2304, "pack_rows": 2}
+    assert ladder(2056, 128) == 2304 and round(4 * 1039 / 2304) == 2
+    assert plan_packing(auto, model, lengths, 4, cuda=False) == {"pack_width": 0, "pack_rows": 1}
+    assert plan_packing(auto, model, [1534] * 8, 4, cuda=True)["pack_width"] == 0  # one length: one shape already
+    assert plan_packing(engine_settings({"width_multiple": 128, "prefix_attention": "split"}), model, lengths, 4,
+                        cuda=True)["pack_width"] == 0
+    wide = tiny_model("llama", head_dim=128, num_attention_heads=2, num_key_value_heads=1, hidden_size=128)
+    assert plan_packing(auto, wide, lengths, 4, cuda=True)["pack_width"] == 0
+    assert plan_packing(engine_settings({"pack_width": 4096}), model, lengths, 16, cuda=False) == {
+        "pack_width": 4096, "pack_rows": round(16 * 1039 / 4096)}

@@ -18,6 +18,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from orpo.batching import batch_schedule
+from orpo.device import on_cuda
 from orpo.engine.queue import memory_limit
 from orpo.io import sha256_file
 from orpo.optim import FlatAdamW, lora_adamw, warmup_steps_for
@@ -37,7 +38,8 @@ from orpo.train.objectives import Objective, PairLoss, pair_objective
 from orpo.train.settings import EngineSettings, Machine, ResolvedRun, TrainSettings
 from orpo.train.rows import block_lengths
 from orpo.train.step import (MicroBatch, batch_value_and_grad, check_attention, pair_scores, prepare,
-                             prepare_packed_step, reference_model, resolve_engine, row_lengths, tight_rows_fit)
+                             plan_packing, prepare_packed_step, reference_model, resolve_engine, row_lengths,
+                             tight_rows_fit)
 
 
 class TrainingError(RuntimeError):
@@ -270,6 +272,11 @@ def build_session(base_dir: str | Path, rendered_dir: str | Path, settings: Trai
     rule = (s.schedule, s.lr, len(schedule), warmup_steps_for(len(schedule), s.warmup), s.weight_decay)
     opt = (full_adamw(*rule, s.bias_correction) if is_full(adapter_config)
            else lora_adamw(*rule, s.lora.plus_ratio, s.bias_correction))
+    if planned and "auto" in (settings.engine.pack_width, settings.engine.pack_rows):
+        packing = plan_packing(settings.engine, model, block_lengths(train), s.batch_size, on_cuda())
+        s = dataclasses.replace(s, engine=dataclasses.replace(s.engine, **packing))
+        resolved = dataclasses.replace(resolved, settings=s)
+        adapter_config["orpo_train"] = as_dict(s)
     sess = Session(resolved, model, opt, adapter_config, train, schedule, keys, init, shard, precision=precision,
                    reference=reference)
     if planned and "auto" in settings.engine.memory_plan.values():  # a recorded run keeps the plan it made

@@ -45,8 +45,8 @@ class EngineSettings:
     prefix_attention: str
     attention_backward: str
     width_multiple: int
-    pack_width: int
-    pack_rows: int
+    pack_width: int | str
+    pack_rows: int | str
     compile: bool | str
     overlap: int
     memory_limit_gb: float
@@ -55,7 +55,8 @@ class EngineSettings:
     @property
     def resolved(self) -> bool:
         """Whether the machine's choices are made (no `auto` left that the step would have to decide)."""
-        return "auto" not in (self.prefix_sharing, self.compile, self.attention_backward, *self.memory_plan.values())
+        return "auto" not in (self.prefix_sharing, self.compile, self.attention_backward, self.pack_width,
+                              self.pack_rows, *self.memory_plan.values())
 
     @property
     def memory_plan(self) -> dict[str, int | str]:

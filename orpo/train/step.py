@@ -16,7 +16,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from orpo.batching import first_fit
+from orpo.batching import first_fit, ladder
 from orpo.device import on_cuda, on_gpu
 from orpo.engine.attention import MAX_PAIRS_PER_ROW, exclusion_fits, tight_attention_fits
 from orpo.engine.compiled import kept, layout_arrays, layout_from
@@ -35,8 +35,8 @@ from orpo.train.settings import EngineSettings
 
 def resolve_engine(engine: EngineSettings) -> EngineSettings:
     """`engine` with this machine's choices made for its `auto` values (once per run: the run records them);
-    the memory plan's auto values are the plain backward's here (segments 0, MLP whole), the trainer then plans
-    them for its data (footprint.plan_memory)."""
+    the memory plan's auto values are the plain backward's here (segments 0, MLP whole) and packing's are off, the
+    trainer then plans them for its data (footprint.plan_memory, plan_packing)."""
     # compile: faster on CUDA (bench/README.md); on the CPU each new shape's first call pays a trace and a C++ build.
     # prefix_sharing: on everywhere, faster and smaller on the CPU and on CUDA (bench/README.md).
     # attention_backward: ordered where the fused backward sums with atomics (a GPU), so replay is bit-exact.
@@ -49,7 +49,26 @@ def resolve_engine(engine: EngineSettings) -> EngineSettings:
         segment_layers=0 if engine.segment_layers == "auto" else engine.segment_layers,
         segment_min_positions=0 if engine.segment_min_positions == "auto" else engine.segment_min_positions,
         mlp_chunks=1 if engine.mlp_chunks == "auto" else engine.mlp_chunks,
+        pack_width=0 if engine.pack_width == "auto" else engine.pack_width,
+        pack_rows=1 if engine.pack_rows == "auto" else engine.pack_rows,
         width_multiple=engine.width_multiple or (CUDA_ATTENTION_MULTIPLE if on_cuda() else 0))
+
+
+def plan_packing(configured: EngineSettings, model: nn.Module, lengths: list[int], batch_size: int,
+                 cuda: bool) -> dict[str, int]:
+    """pack_width and pack_rows for the values `configured` leaves auto, from the pairs' block_lengths: on CUDA,
+    for pairs of differing lengths, where shared rows are built and the exclusion dims fit the head dim, rows of
+    the longest pair's positions on the width ladder, as many a micro-batch as hold about batch_size pairs of the
+    mean length; else off (pairs of one length already make one shape, attended split)."""
+    e = resolve_engine(configured)
+    width = e.pack_width
+    if configured.pack_width == "auto":
+        fits = e.prefix_sharing is True and e.prefix_attention != "split" and exclusion_fits(head_dim_of(model), cuda)
+        width = ladder(max(lengths), e.input_multiple or 16) if cuda and fits and len(set(lengths)) > 1 else 0
+    rows = e.pack_rows
+    if configured.pack_rows == "auto" and width:
+        rows = max(1, round(batch_size * sum(lengths) / len(lengths) / width))
+    return {"pack_width": width, "pack_rows": rows}
 
 
 # MLX's CUDA attention runs its cuDNN backward only for query lengths that are a multiple of 128; other

@@ -73,7 +73,14 @@ class Shape:
         return self.layers * (2 * d * a + 2 * d * kv + 3 * d * self.intermediate)
 
     def step_flops(self, method: str = "lora", prefix_sharing: bool = True) -> float:
-        """Model FLOPs of one ORPO step over this batch (value and gradients; no recompute, padding or update).
+        """Model FLOPs of one ORPO step over this batch (value and gradients; no recompute, padding or update):
+        `pair_flops` of each pair."""
+        return sum(self.pair_flops(p, self.response, self.response, method, prefix_sharing)
+                   for p in self.prompt_lengths())
+
+    def pair_flops(self, prompt: int, chosen: int, rejected: int, method: str = "lora",
+                   prefix_sharing: bool = True) -> float:
+        """Model FLOPs of one pair's value and gradients at this geometry.
 
         Matmuls only, 2 FLOPs a multiply-add: each stack token through the projections (forward, the input's
         gradient, and for `full` the weights' gradient), causal attention over the (query, key) pairs each row
@@ -82,19 +89,26 @@ class Shape:
         """
         passes = 3 if method == "full" else 2  # LoRA: the frozen weights need no gradient (adapters: < 1%)
         attn = 4 * self.heads * (self.head_dim or self.hidden // self.heads)
-        r = self.response
-        stack = pairs = 0
-        for p in self.prompt_lengths():
-            causal = (p + r) * (p + r + 1) // 2
-            if prefix_sharing:
-                stack += p + 2 * r
-                pairs += causal + r * p + r * (r + 1) // 2
-            else:
-                stack += 2 * (p + r)
-                pairs += 2 * causal
-        head = 2 * self.hidden * self.vocab * 2 * r * self.pairs
+        p, c, r = prompt, chosen, rejected
+        causal_c = (p + c) * (p + c + 1) // 2
+        if prefix_sharing:
+            stack, pairs = p + c + r, causal_c + r * p + r * (r + 1) // 2
+        else:
+            stack, pairs = 2 * p + c + r, causal_c + (p + r) * (p + r + 1) // 2
+        head = 2 * self.hidden * self.vocab * (c + r)
         return (2 * self.linear_params() * stack * passes + 3 * attn * pairs * self.layers
                 + head * (3 if method == "full" else 2))
+
+
+def real_length_mfu(shape: Shape, lengths: list[tuple[int, int, int]], two_forward_tokens_per_s: float | None,
+                    tflops: float | None, method: str = "lora", prefix_sharing: bool = True) -> float | None:
+    """Model FLOPs utilisation over pairs of their own lengths, from a run's two-forward tokens/s (pairs/s times
+    the pairs' mean two-forward tokens): `pair_flops` of each pair over the same time, against the probed rate."""
+    if not (two_forward_tokens_per_s and tflops):
+        return None
+    flops = sum(shape.pair_flops(p, c, r, method, prefix_sharing) for p, c, r in lengths)
+    tokens = sum(2 * p + c + r for p, c, r in lengths)
+    return flops * two_forward_tokens_per_s / tokens / (tflops * 1e12)
 
 
 @dataclass(frozen=True)

@@ -57,7 +57,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [p for p in (str(ROOT), str(Path(__file__).resolve().parent)) if p not in sys.path]
 
 from engine_shapes import (  # noqa: E402
-    CPU_SMALL, LLAMA_1B, MISTRAL_7B, SIGMA, ULTRAFEEDBACK, Case, Shape, ultrafeedback_lengths)
+    CPU_SMALL, LLAMA_1B, MISTRAL_7B, SIGMA, ULTRAFEEDBACK, Case, Shape, real_length_mfu, ultrafeedback_lengths)
 
 GEOMETRIES = {"h200": LLAMA_1B, "mistral-7b": MISTRAL_7B, "cpu-small": CPU_SMALL}
 LORA = {"rank": 16, "alpha": 32, "dropout": 0.0,
@@ -439,6 +439,13 @@ def main() -> None:
         if name != "ultrafeedback" and "step_s" in res and "engine_resolved" in res:  # one shape: its FLOPs
             res["mfu"] = mfu(at.__dict__, res["engine_resolved"]["prefix_sharing"] is True, res["step_s"] / accum,
                              env["matmul_tflops"], a.method)
+        if name == "ultrafeedback":  # pairs of their own lengths: each pair's FLOPs
+            for run in (res, res.get("paired") or {}):
+                sharing = (run.get("engine_resolved") or {}).get("prefix_sharing") is True
+                for r in (run, run.get("last_epoch") or {}):
+                    if "two_forward_tokens_per_s" in r and "engine_resolved" in run:
+                        r["mfu"] = real_length_mfu(shape, lengths, r["two_forward_tokens_per_s"],
+                                                   env["matmul_tflops"], a.method, sharing)
         if name in ("fixed", "mean") and not a.no_engine_bench:
             res["engine_bench"] = engine_bench(at, a.timeout)
         results["cases"][name] = res
@@ -451,7 +458,8 @@ def main() -> None:
             if "step_s" in r.get("last_epoch", {}):
                 e = r["last_epoch"]
                 print(f"  {name}{label} last epoch: {e['step_s']:.3f} s/step, {e['two_forward_tokens_per_s']:.0f} "
-                      f"two-forward tok/s, {e['steps_with_new_shapes']} steps met new shapes", flush=True)
+                      f"two-forward tok/s, {e['steps_with_new_shapes']} steps met new shapes"
+                      + (f", MFU {e['mfu']:.1%}" if e.get("mfu") is not None else ""), flush=True)
         if "step_s" in res.get("paired", {}):
             q = res["paired"]
             what = " ".join(str(x) for x in (json.dumps(q["engine_overrides"]), q["env"], q["train"]) if x)
@@ -498,7 +506,7 @@ def format_report(results: dict[str, Any]) -> str:
     trains = "every weight (full)" if results.get("method") == "full" else "LoRA rank 16 x 7 projections"
     rate = results["environment"].get("matmul_tflops")
     lines = [f"orpo train, {results['geometry']} ({results['environment']['device']}), {trains}"
-             + (f"; MFU: model FLOPs (bench/engine_shapes.py Shape.step_flops) against {rate:.3g} TFLOP/s probed" if rate else ""),
+             + (f"; MFU: model FLOPs (bench/engine_shapes.py Shape.step_flops, pair_flops) against {rate:.3g} TFLOP/s probed" if rate else ""),
              head, "-" * len(head)]
     for name, r in results["cases"].items():
         if "step_s" not in r:

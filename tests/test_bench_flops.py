@@ -39,3 +39,27 @@ def test_step_flops_count_the_models_projections_masks_and_head(method, shared):
     head = passes * 2 * SHAPE.hidden * SHAPE.vocab * 2 * r * SHAPE.pairs  # chosen's and rejected's scored tokens
     assert SHAPE.linear_params() == weights
     assert SHAPE.step_flops(method, shared) == 2 * weights * stack * passes + attention + head
+
+
+@pytest.mark.parametrize("method", ["lora", "full"])
+@pytest.mark.parametrize("shared", [True, False])
+def test_pair_flops_of_responses_of_their_own_lengths(method, shared):
+    """Chosen and rejected of differing lengths: the projections on the stack tokens, the (query, key) pairs of the
+    rows' causal masks counted on the masks, the head on both responses' tokens."""
+    p, c, r = 7, 5, 9
+    with_chosen = np.tril(np.ones((p + c, p + c), bool))
+    with_rejected = np.tril(np.ones((p + r, p + r), bool))
+    pairs = int(with_chosen.sum()) + int((with_rejected[p:] if shared else with_rejected).sum())
+    stack = p + c + r if shared else 2 * p + c + r
+    passes = 3 if method == "full" else 2
+    attention = 3 * 2 * 2 * SHAPE.heads * SHAPE.head_dim * pairs * SHAPE.layers
+    head = passes * 2 * SHAPE.hidden * SHAPE.vocab * (c + r)
+    want = 2 * SHAPE.linear_params() * stack * passes + attention + head
+    assert SHAPE.pair_flops(p, c, r, method, shared) == want
+    # MFU over pairs of their own lengths: FLOPs per two-forward token times the rate, against the probe.
+    from engine_shapes import real_length_mfu
+
+    lengths = [(p, c, r), (3, 4, 2)]
+    flops = want + SHAPE.pair_flops(3, 4, 2, method, shared)
+    tokens = 2 * p + c + r + 2 * 3 + 4 + 2
+    assert real_length_mfu(SHAPE, lengths, 1000.0, 2.0, method, shared) == pytest.approx(flops * 1000 / tokens / 2e12)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import os
 
 import mlx.core as mx
@@ -29,3 +30,30 @@ def device_memory() -> int:
     info = mx.device_info()
     reported = info.get("memory_size") or info.get("total_memory")
     return int(reported or os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+
+
+# CUmemPool_attribute values (cuda.h): bytes the pool holds from the device, and bytes handed out of it.
+_POOL_RESERVED, _POOL_USED = 5, 7
+
+
+def cuda_pool_memory() -> dict[str, int] | None:
+    """Bytes the CUDA device's default memory pool (where MLX allocates, cudaMallocAsync) has reserved from the
+    device and has handed out: reserved beyond MLX's active and cached buffers is freed memory the pool keeps, which
+    MLX's own counts do not show. None off CUDA or where the driver does not answer."""
+    if not on_cuda():
+        return None
+    try:
+        cuda = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return None
+    device, pool = ctypes.c_int(), ctypes.c_void_p()
+    if (cuda.cuInit(0) or cuda.cuDeviceGet(ctypes.byref(device), mx.default_device().index)
+            or cuda.cuDeviceGetDefaultMemPool(ctypes.byref(pool), device)):
+        return None
+    out = {}
+    for name, attribute in (("reserved", _POOL_RESERVED), ("used", _POOL_USED)):
+        value = ctypes.c_uint64()
+        if cuda.cuMemPoolGetAttribute(pool, attribute, ctypes.byref(value)):
+            return None
+        out[name] = value.value
+    return out

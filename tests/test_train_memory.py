@@ -410,3 +410,17 @@ def test_micro_batches_are_cut_by_the_length_their_rows_pad_to(tiny_base, tiny_r
             cut = shard_micro_batches(sorted(step, key=lambda r: (key[r], r)), 2, 0, 1)
             positions[name] += sum(prepare(sess.train.select(c), sess.engine, tight).positions for c in cut)
     assert positions["row lengths"] < positions["other"], positions
+
+
+def test_cuda_pool_memory_is_read_where_mlx_allocates_from_it():
+    """Off CUDA there is no pool (None); on CUDA the driver's counts of the default pool hold a 1 GiB array MLX has
+    just allocated."""
+    from orpo.device import cuda_pool_memory
+
+    if not on_cuda():
+        assert cuda_pool_memory() is None
+        return
+    x = mx.zeros((256, 1024, 1024), mx.float32)
+    mx.eval(x)
+    pool = cuda_pool_memory()
+    assert pool["reserved"] >= pool["used"] >= x.nbytes

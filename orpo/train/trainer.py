@@ -16,6 +16,7 @@ from typing import Any, Iterator
 
 import mlx.core as mx
 
+from orpo.device import cuda_pool_memory
 from orpo.folders import mark_complete, require_complete
 from orpo.io import atomic_path, write_json
 from orpo.train.checkpoint import (kept_steps, load_checkpoint, prune_checkpoints, read_index, resolve_step,
@@ -164,6 +165,9 @@ def _train(sess: Session, record: dict[str, Any], rendered_dir: str | Path, out_
                  "active_memory_mb": round(mx.get_active_memory() / 2**20, 3),
                  "cache_memory_mb": round(mx.get_cache_memory() / 2**20, 3),
                  "peak_memory_mb": round(mx.get_peak_memory() / 2**20, 3)}
+            if (pool := cuda_pool_memory()) is not None:  # what CUDA's pool holds beyond MLX's counts
+                m |= {"pool_reserved_mb": round(pool["reserved"] / 2**20, 3),
+                      "pool_used_mb": round(pool["used"] / 2**20, 3)}
             metrics_file.write(json.dumps(m) + "\n")
             trackers.log(m, step, "train")
             progress.step(m)

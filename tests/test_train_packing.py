@@ -125,6 +125,30 @@ def test_a_packed_step_equals_the_naive_step_over_its_pairs(family, engine, span
                  naive_with_span(model, pairs))
 
 
+def test_a_packed_step_gives_every_weights_gradient_when_all_train():
+    """Full-parameter training (embedding, norms and the tied head train): a packed step's loss and every gradient
+    are the naive step's over its pairs."""
+    from orpo.engine.embedding import with_summed_embeddings
+
+    model = tiny_model("llama", num_hidden_layers=3)
+    model.unfreeze()
+    model.train()
+    pairs = with_unshared_pair(random_pairs(1, 7), 3)
+    want = naive(model, pairs)
+    with_summed_embeddings(model)
+    e = resolved({**PLAIN, **ENGINES["all_compiled"], "pack_width": 48, "pack_rows": 2})
+    batches = prepare_packed_step(pairs, block_lengths(pairs), e)
+    assert len({b.n for b in batches}) > 1
+    loss = PairLoss(Objective(), LAM)
+
+    def micro(j, sums):
+        (_, metrics), grads = batch_value_and_grad(model, batches[j], loss, e, sums)
+        return metrics, grads
+
+    grads, metrics = accumulate_grads(micro, len(batches), [b.share for b in batches])
+    assert_close(((metrics["loss"], metrics), grads), want)
+
+
 def test_packed_rows_are_checked():
     model = tiny_model("llama")
     with pytest.raises(ValueError, match="pack_width 40: not a multiple of the rows' width multiple 16"):

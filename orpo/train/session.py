@@ -35,8 +35,8 @@ from orpo.train.lambdas import ConstantLambda, LambdaController, lambda_schedule
 from orpo.train.launch import resolve_backend
 from orpo.train.lora import apply_lora, warm_start
 from orpo.train.objectives import Objective, PairLoss, pair_objective
-from orpo.train.settings import EngineSettings, Machine, ResolvedRun, TrainSettings
 from orpo.train.rows import block_lengths
+from orpo.train.settings import EngineSettings, Machine, ResolvedRun, TrainSettings
 from orpo.train.step import (MicroBatch, batch_value_and_grad, check_attention, pair_scores, prepare,
                              plan_packing, prepare_packed_step, reference_model, resolve_engine, row_lengths,
                              tight_rows_fit)

@@ -188,8 +188,7 @@ def prepare_packed_step(pairs: Pairs, lengths: list[int], engine: EngineSettings
         chosen = pairs.select([i for row in group for i in row])
         packed = packed_rows(chosen, [len(row) for row in group], e.pack_width, e.input_multiple or 16, nll_span)
         share = len(chosen) / len(pairs)
-        packed.share = mx.array(share, mx.float32)
-        out.append(_micro_batch(chosen, packed, share))
+        out.append(_micro_batch(chosen, dataclasses.replace(packed, share=mx.array(share, mx.float32)), share))
     return out
 
 

@@ -169,7 +169,7 @@ def short_rendered(tiny_rendered, tmp_path_factory):
     return shortest_pairs(tiny_rendered, tmp_path_factory.mktemp("packing") / "rendered")
 
 
-def test_a_packed_run_ends_near_the_naive_run_and_replays(tiny_base, short_rendered, tmp_path):
+def test_a_packed_run_ends_near_the_naive_run_and_replays(tiny_base, short_rendered, tmp_path, capsys):
     """The same steps' pairs packed into rows of 256 positions: logged losses and tokens as the naive run's, adapters
     within the ladder's drift, one width for every micro-batch, and a bit-exact replay; a width shorter than the
     longest pair is refused, naming the pair."""
@@ -180,6 +180,7 @@ def test_a_packed_run_ends_near_the_naive_run_and_replays(tiny_base, short_rende
     for name, engine in (("naive", PLAIN), ("packed", packed)):
         runs[name] = tmp_path / name
         train(tiny_base, short_rendered, runs[name], train_settings({**settings, "engine": engine}))
+    assert "at a micro-batch of 1 rows x 256, pairs packed" in capsys.readouterr().err  # what the run says it does
     a, b = adapters(runs["naive"]), adapters(runs["packed"])
     for k in a:
         assert np.linalg.norm(b[k] - a[k]) <= 100 * MATMUL_TOL * np.linalg.norm(a[k]), k

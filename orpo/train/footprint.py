@@ -146,7 +146,7 @@ def predict_memory(sess: Any, engine: EngineSettings | None = None,
     parts["activations"] = model_activations(sess.model, rows, width, scored, backward)
     parts["peak"] = sum(parts.values())
     return {**{k: round(v / GB, 6) for k, v in parts.items()}, "bytes": parts, "rows": rows, "width": width,
-            "recomputes": backward.segment_layers > 0, **e.memory_plan}
+            "packed": bool(e.pack_width), "recomputes": backward.segment_layers > 0, **e.memory_plan}
 
 
 def measured_activations(model: Any, pairs: Pairs, engine: EngineSettings, lam: float = 0.1) -> dict[str, int]:

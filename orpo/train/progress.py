@@ -72,8 +72,9 @@ class Progress:
             plan = (f"segment_layers {seg}" + (f" from {least} positions" if seg and least else "")
                     + (f", mlp_chunks {p['mlp_chunks']}" if seg and p["mlp_chunks"] > 1 else ""))
             planned = f", auto under a budget of {p['budget_gb']:.2f} GB" if "budget_gb" in p else ""
-            return (f"predicted peak memory {p['peak']:.2f} GB ({parts}) at a micro-batch of {p['rows']} rows x "
-                    f"{p['width']} ({backward}); {plan}{planned}"
+            rows = f"{p['rows']} rows x {p['width']}" + (", pairs packed" if p.get("packed") else "")
+            return (f"predicted peak memory {p['peak']:.2f} GB ({parts}) at a micro-batch of {rows} ({backward}); "
+                    f"{plan}{planned}"
                     + (f"; warning: {record['warning']}" if record.get("warning") else ""))
         if "peak_memory_gb" in record:
             m = record["peak_memory_gb"]

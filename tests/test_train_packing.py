@@ -33,7 +33,7 @@ def test_first_fit_places_longest_first_into_the_first_bin_with_room():
     bins = first_fit(lengths, 64, 8)
     assert sorted(i for b in bins for i in b) == list(range(200))
     assert all(sum(lengths[i] for i in b) <= 64 and len(b) <= 8 for b in bins)
-    # First fit: no item of a later bin would have fit an earlier bin when it was placed.
+    # A loose bound on first fit decreasing: fewer than twice the bins the lengths need at the least.
     assert len(bins) <= 2 * sum(lengths) / 64 + 1
     with pytest.raises(ValueError, match="an item of 65 does not fit a bin of 64"):
         first_fit([65], 64, 8)
@@ -100,6 +100,18 @@ ENGINES = {
 }
 
 
+def accumulated(model, batches, e):
+    """((loss, metrics), grads) of a packed step's micro-batches, accumulated by their shares as Session.run does."""
+    loss = PairLoss(Objective(), LAM)
+
+    def micro(j, sums):
+        (_, metrics), grads = batch_value_and_grad(model, batches[j], loss, e, sums)
+        return metrics, grads
+
+    grads, metrics = accumulate_grads(micro, len(batches), [b.share for b in batches])
+    return (metrics["loss"], metrics), grads
+
+
 @pytest.mark.parametrize("family,engine,span", [
     *(("llama", e, "response") for e in ENGINES), *(("gemma2", e, "response") for e in ENGINES),
     ("llama", "exclusion", "prompt_and_response"), ("llama", "all_compiled", "prompt_and_response")])
@@ -114,14 +126,7 @@ def test_a_packed_step_equals_the_naive_step_over_its_pairs(family, engine, span
     assert len(batches) == 2 and len({b.n for b in batches}) == 2  # micro-batches of differing pair counts
     assert sum(b.share for b in batches) == pytest.approx(1.0)
     assert {b.packed.layout.tokens.shape[1] for b in batches} == {48}
-    loss = PairLoss(Objective(), LAM)
-
-    def micro(j, sums):
-        (_, metrics), grads = batch_value_and_grad(model, batches[j], loss, e, sums)
-        return metrics, grads
-
-    grads, metrics = accumulate_grads(micro, len(batches), [b.share for b in batches])
-    assert_close(((metrics["loss"], metrics), grads), naive(model, pairs) if span == "response" else
+    assert_close(accumulated(model, batches, e), naive(model, pairs) if span == "response" else
                  naive_with_span(model, pairs))
 
 
@@ -139,14 +144,7 @@ def test_a_packed_step_gives_every_weights_gradient_when_all_train():
     e = resolved({**PLAIN, **ENGINES["all_compiled"], "pack_width": 48, "pack_rows": 2})
     batches = prepare_packed_step(pairs, block_lengths(pairs), e)
     assert len({b.n for b in batches}) > 1
-    loss = PairLoss(Objective(), LAM)
-
-    def micro(j, sums):
-        (_, metrics), grads = batch_value_and_grad(model, batches[j], loss, e, sums)
-        return metrics, grads
-
-    grads, metrics = accumulate_grads(micro, len(batches), [b.share for b in batches])
-    assert_close(((metrics["loss"], metrics), grads), want)
+    assert_close(accumulated(model, batches, e), want)
 
 
 def test_packed_rows_are_checked():
@@ -199,15 +197,13 @@ def test_auto_packs_on_cuda_where_the_exclusion_dims_fit():
     """auto: on CUDA, rows of the longest pair's positions on the width ladder, rows a micro-batch nearest
     batch_size pairs of the mean length; off elsewhere, for pairs of one length, at a head dim of 128 and with split
     rows; set values stay."""
-    from orpo.batching import ladder
     from orpo.train.settings import engine_settings
     from orpo.train.step import plan_packing
 
     model = tiny_model("llama")
     lengths = [2056, 900, 700, 500] * 4
     auto = engine_settings({"width_multiple": 128})
-    assert plan_packing(auto, model, lengths, 4, cuda=True) == {"pack_width": 2304, "pack_rows": 2}
-    assert ladder(2056, 128) == 2304 and round(4 * 1039 / 2304) == 2
+    assert plan_packing(auto, model, lengths, 4, cuda=True) == {"pack_width": 2304, "pack_rows": 2}  # mean 1039
     assert plan_packing(auto, model, lengths, 4, cuda=False) == {"pack_width": 0, "pack_rows": 1}
     assert plan_packing(auto, model, [1534] * 8, 4, cuda=True)["pack_width"] == 0  # one length: one shape already
     assert plan_packing(engine_settings({"width_multiple": 128, "prefix_attention": "split"}), model, lengths, 4,

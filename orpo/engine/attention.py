@@ -77,11 +77,13 @@ def packed_exclusion_mask(segments: mx.array, roles: mx.array, dtype: mx.Dtype) 
 
 
 def _exclusion(flagged: mx.array, excluded: mx.array, segments: mx.array | None, dtype: mx.Dtype) -> ExclusionMask:
-    zero = mx.zeros_like(flagged)
-    later = [segments > b if segments is not None else zero for b in range(EXCLUSION_DIMS - 1)]
-    earlier = [segments <= b if segments is not None else zero for b in range(EXCLUSION_DIMS - 1)]
-    q = mx.stack([flagged, *later], axis=-1).astype(dtype) * EXCLUSION_SCALE
-    k = mx.stack([excluded, *earlier], axis=-1).astype(dtype) * -EXCLUSION_SCALE
+    if segments is None:  # one pair a row: the boundary dims stay 0
+        later = earlier = mx.zeros((*flagged.shape, EXCLUSION_DIMS - 1), mx.bool_)
+    else:
+        boundary = mx.arange(EXCLUSION_DIMS - 1)
+        later, earlier = segments[..., None] > boundary, segments[..., None] <= boundary
+    q = mx.concatenate([flagged[..., None], later], axis=-1).astype(dtype) * EXCLUSION_SCALE
+    k = mx.concatenate([excluded[..., None], earlier], axis=-1).astype(dtype) * -EXCLUSION_SCALE
     return ExclusionMask(q[:, None], k[:, None])
 
 

@@ -148,14 +148,20 @@ class _Blocks:
         return [len(g) for g in self.scored[0] + self.scored[1]]
 
 
+def _sequences(pairs: Pairs, i: int) -> tuple[list[int], list[int], list[int], list[int], int | None]:
+    """Pair i's two whole sequences and scoring masks, and the prompt length they share (None where they differ)."""
+    prompt = pairs.prompt[i]
+    full_c, full_r = prompt + pairs.chosen[i], prompt + pairs.rejected[i]
+    mc, mr = [0] * len(prompt) + pairs.chosen_mask[i], [0] * len(prompt) + pairs.rejected_mask[i]
+    return full_c, mc, full_r, mr, shared_prompt_length(full_c, mc, full_r, mr)
+
+
 def _blocks(pairs: Pairs) -> _Blocks:
     heads, tails, shared = [], [], []
     scored, targets = ([], []), ([], [])  # (chosen, rejected), per pair
     fallbacks = 0
-    for i, prompt in enumerate(pairs.prompt):
-        full_c, full_r = prompt + pairs.chosen[i], prompt + pairs.rejected[i]
-        mc, mr = [0] * len(prompt) + pairs.chosen_mask[i], [0] * len(prompt) + pairs.rejected_mask[i]
-        p = shared_prompt_length(full_c, mc, full_r, mr)
+    for i in range(len(pairs)):
+        full_c, mc, full_r, mr, p = _sequences(pairs, i)
         if p is None:
             fallbacks, p = fallbacks + 1, 0
         heads.append(full_c[:-1])
@@ -170,8 +176,13 @@ def _blocks(pairs: Pairs) -> _Blocks:
 
 
 def block_lengths(pairs: Pairs) -> list[int]:
-    """Per pair, the positions of its shared-prefix block (a tight row's, or its part of a packed row)."""
-    return _blocks(pairs).lengths()
+    """Per pair, the positions of its shared-prefix block (a tight row's, or its part of a packed row): its head
+    [prompt; chosen[:-1]] and rejected's own tokens, without building them."""
+    out = []
+    for i in range(len(pairs)):
+        full_c, _, full_r, _, p = _sequences(pairs, i)
+        out.append(len(full_c) - 1 + len(full_r) - 1 - (p or 0))
+    return out
 
 
 def shared_rows(pairs: Pairs, input_multiple: int | None = None, attention: str = "auto",

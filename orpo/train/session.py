@@ -93,6 +93,7 @@ class Session:
     precision: Precision | None = None  # the dtype the model computes in (model.dtype), and why
     reference: nn.Module | None = None  # dpo's frozen starting weights in full-parameter training
     plan: dict[str, Any] | None = None  # segment_layers auto: the prediction it was planned on
+    blocks: list[int] | None = None  # packed rows: each pair's block_lengths (computed here where not given)
     # Distinct micro-batch shapes seen (each a compiled trace when the engine compiles).
     signatures: set = field(default_factory=set)
     _update: tuple[int, Callable] | None = field(default=None, repr=False)
@@ -100,7 +101,10 @@ class Session:
     def __post_init__(self) -> None:
         check_attention(self.model, self.engine)
         self.lengths = row_lengths(self.train, self.engine, self.resolved.tight_rows)
-        self.blocks = block_lengths(self.train) if self.engine.pack_width else None
+        if not self.engine.pack_width:
+            self.blocks = None
+        elif self.blocks is None:
+            self.blocks = block_lengths(self.train)
         if self.blocks and max(self.blocks) > self.engine.pack_width:
             i = max(range(len(self.blocks)), key=self.blocks.__getitem__)
             raise ValueError(f"train.engine.pack_width {self.engine.pack_width}: pair {self.train.ids[i]!r} takes "
@@ -272,13 +276,15 @@ def build_session(base_dir: str | Path, rendered_dir: str | Path, settings: Trai
     rule = (s.schedule, s.lr, len(schedule), warmup_steps_for(len(schedule), s.warmup), s.weight_decay)
     opt = (full_adamw(*rule, s.bias_correction) if is_full(adapter_config)
            else lora_adamw(*rule, s.lora.plus_ratio, s.bias_correction))
+    blocks = None
     if planned and "auto" in (settings.engine.pack_width, settings.engine.pack_rows):
-        packing = plan_packing(settings.engine, model, block_lengths(train), s.batch_size, on_cuda())
+        blocks = block_lengths(train)
+        packing = plan_packing(settings.engine, model, blocks, s.batch_size, on_cuda())
         s = dataclasses.replace(s, engine=dataclasses.replace(s.engine, **packing))
         resolved = dataclasses.replace(resolved, settings=s)
         adapter_config["orpo_train"] = as_dict(s)
     sess = Session(resolved, model, opt, adapter_config, train, schedule, keys, init, shard, precision=precision,
-                   reference=reference)
+                   reference=reference, blocks=blocks)
     if planned and "auto" in settings.engine.memory_plan.values():  # a recorded run keeps the plan it made
         plan, sess.plan = plan_memory(sess, settings.engine)
         engine = dataclasses.replace(s.engine, **plan)

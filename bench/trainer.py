@@ -124,6 +124,7 @@ def steady(lines: list[dict[str, Any]], skip: int) -> dict[str, Any]:
             "active_plus_cache_gb": max(x["active_memory_mb"] + x["cache_memory_mb"] for x in train) * 2**20 / GB,
             # CUDA: what the pool MLX allocates from holds (beyond MLX's active and cached buffers, freed memory kept)
             "pool_reserved_gb": max((x.get("pool_reserved_mb") or 0) for x in train) * 2**20 / GB or None,
+            "device_used_gb": max((x.get("device_used_mb") or 0) for x in train) * 2**20 / GB or None,
             "segmented_micro_batches": sum(x.get("segmented", 0) for x in train),
             "loss_first": train[0]["loss"], "loss_last": train[-1]["loss"]}
 
@@ -156,7 +157,7 @@ def run_train(model: Path, rendered: Path, out: Path, settings: dict[str, Any], 
     train = [x for x in lines if x.get("split") == "train"]
     series = {k: [x[k] for x in train] for k in ("elapsed_s", "new_shapes", "segmented", "positions", "row_tokens",
                                                  "active_memory_mb", "cache_memory_mb", "peak_memory_mb",
-                                                 "pool_reserved_mb", "pool_used_mb")
+                                                 "pool_reserved_mb", "pool_used_mb", "device_used_mb")
               if train and k in train[0]}
     result: dict[str, Any] = {"wall_s": wall, "series": series}
     if failed:

@@ -38,8 +38,10 @@ _POOL_RESERVED, _POOL_USED = 5, 7
 
 def cuda_pool_memory() -> dict[str, int] | None:
     """Bytes the CUDA device's default memory pool (where MLX allocates, cudaMallocAsync) has reserved from the
-    device and has handed out: reserved beyond MLX's active and cached buffers is freed memory the pool keeps, which
-    MLX's own counts do not show. None off CUDA or where the driver does not answer."""
+    device (`pool_reserved`) and has handed out (`pool_used`), and bytes of the device in use by anyone
+    (`device_used`, the driver's total less free): reserved beyond MLX's active and cached buffers is freed memory
+    the pool keeps, and device_used beyond reserved is memory outside the pool (context, libraries' workspaces,
+    CUDA graphs); MLX's own counts show neither. None off CUDA or where the driver does not answer."""
     if not on_cuda():
         return None
     try:
@@ -51,9 +53,12 @@ def cuda_pool_memory() -> dict[str, int] | None:
             or cuda.cuDeviceGetDefaultMemPool(ctypes.byref(pool), device)):
         return None
     out = {}
-    for name, attribute in (("reserved", _POOL_RESERVED), ("used", _POOL_USED)):
+    for name, attribute in (("pool_reserved", _POOL_RESERVED), ("pool_used", _POOL_USED)):
         value = ctypes.c_uint64()
         if cuda.cuMemPoolGetAttribute(pool, attribute, ctypes.byref(value)):
             return None
         out[name] = value.value
+    free, total = ctypes.c_size_t(), ctypes.c_size_t()
+    if cuda.cuMemGetInfo_v2(ctypes.byref(free), ctypes.byref(total)) == 0:  # left out where no context is current
+        out["device_used"] = total.value - free.value
     return out

@@ -166,8 +166,7 @@ def _train(sess: Session, record: dict[str, Any], rendered_dir: str | Path, out_
                  "cache_memory_mb": round(mx.get_cache_memory() / 2**20, 3),
                  "peak_memory_mb": round(mx.get_peak_memory() / 2**20, 3)}
             if (pool := cuda_pool_memory()) is not None:  # what CUDA's pool holds beyond MLX's counts
-                m |= {"pool_reserved_mb": round(pool["reserved"] / 2**20, 3),
-                      "pool_used_mb": round(pool["used"] / 2**20, 3)}
+                m |= {f"{k}_mb": round(v / 2**20, 3) for k, v in pool.items()}
             metrics_file.write(json.dumps(m) + "\n")
             trackers.log(m, step, "train")
             progress.step(m)

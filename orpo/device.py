@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 
 import mlx.core as mx
@@ -36,22 +37,31 @@ def device_memory() -> int:
 _POOL_RESERVED, _POOL_USED = 5, 7
 
 
+@functools.cache
+def _default_pool(index: int) -> tuple[ctypes.CDLL, ctypes.c_void_p] | None:
+    """The CUDA driver and device `index`'s default memory pool, looked up once; None where the driver does not
+    answer."""
+    try:
+        cuda = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return None
+    device, pool = ctypes.c_int(), ctypes.c_void_p()
+    if cuda.cuInit(0) or cuda.cuDeviceGet(ctypes.byref(device), index) or cuda.cuDeviceGetDefaultMemPool(
+            ctypes.byref(pool), device):
+        return None
+    return cuda, pool
+
+
 def cuda_pool_memory() -> dict[str, int] | None:
     """Bytes the CUDA device's default memory pool (where MLX allocates, cudaMallocAsync) has reserved from the
     device (`pool_reserved`) and has handed out (`pool_used`), and bytes of the device in use by anyone
     (`device_used`, the driver's total less free): reserved beyond MLX's active and cached buffers is freed memory
     the pool keeps, and device_used beyond reserved is memory outside the pool (context, libraries' workspaces,
     CUDA graphs); MLX's own counts show neither. None off CUDA or where the driver does not answer."""
-    if not on_cuda():
+    found = _default_pool(mx.default_device().index) if on_cuda() else None
+    if found is None:
         return None
-    try:
-        cuda = ctypes.CDLL("libcuda.so.1")
-    except OSError:
-        return None
-    device, pool = ctypes.c_int(), ctypes.c_void_p()
-    if (cuda.cuInit(0) or cuda.cuDeviceGet(ctypes.byref(device), mx.default_device().index)
-            or cuda.cuDeviceGetDefaultMemPool(ctypes.byref(pool), device)):
-        return None
+    cuda, pool = found
     out = {}
     for name, attribute in (("pool_reserved", _POOL_RESERVED), ("pool_used", _POOL_USED)):
         value = ctypes.c_uint64()

@@ -108,7 +108,7 @@ def accumulated(model, batches, e):
         (_, metrics), grads = batch_value_and_grad(model, batches[j], loss, e, sums)
         return metrics, grads
 
-    grads, metrics = accumulate_grads(micro, len(batches), [b.share for b in batches])
+    grads, metrics = accumulate_grads(micro, len(batches), [b.packed.share for b in batches])
     return (metrics["loss"], metrics), grads
 
 
@@ -124,7 +124,7 @@ def test_a_packed_step_equals_the_naive_step_over_its_pairs(family, engine, span
     e = resolved({**PLAIN, **ENGINES[engine], "pack_width": 48, "pack_rows": 2})
     batches = prepare_packed_step(pairs, block_lengths(pairs), e, span)
     assert len(batches) == 2 and len({b.n for b in batches}) == 2  # micro-batches of differing pair counts
-    assert sum(b.share for b in batches) == pytest.approx(1.0)
+    assert sum(b.packed.share.item() for b in batches) == pytest.approx(1.0)
     assert {b.packed.layout.tokens.shape[1] for b in batches} == {48}
     assert_close(accumulated(model, batches, e), naive(model, pairs) if span == "response" else
                  naive_with_span(model, pairs))

@@ -11,7 +11,7 @@ from mlx.utils import tree_map
 MicroStep = Callable[[int, dict[str, mx.array]], tuple[dict[str, mx.array], Any]]
 
 
-def accumulate_grads(micro_step: MicroStep, n: int, shares: list[float] | None = None) -> tuple[Any, dict[str, mx.array]]:
+def accumulate_grads(micro_step: MicroStep, n: int, shares: list[mx.array] | None = None) -> tuple[Any, dict[str, mx.array]]:
     """Mean gradients and metrics of `micro_step(0..n-1)`, each adding its gradients into the running sums.
 
     With equal-size micro-batches (the loss a mean over pairs) their mean gradient is the whole batch's. With

@@ -165,7 +165,7 @@ class Session:
                 return metrics, grads
 
             seen = len(self.signatures)
-            shares = [b.share for b in batches] if self.blocks else None
+            shares = [b.packed.share for b in batches] if self.blocks else None
             grads, metrics = accumulate_grads(micro, len(batches), shares)
             counts = {k: sum(getattr(b, k) for b in batches)
                       for k in ("scored", "row_tokens", "two_forward_tokens", "positions")}

@@ -145,7 +145,6 @@ class MicroBatch:
 
     `packed`: the engine's rows; `plain`: the oracle path's [chosen; rejected] tokens and mask, `plain_nll` its
     NLL mask for the prompt_and_response span. Counts as PackedPairs has them; `positions` includes padding.
-    `share`: in a packed step, this micro-batch's part of the step's pairs (its loss is scaled by it).
     """
 
     n: int
@@ -156,7 +155,6 @@ class MicroBatch:
     packed: PackedPairs | None = None
     plain: tuple[mx.array, mx.array] | None = None
     plain_nll: mx.array | None = None
-    share: float | None = None
 
     def signature(self) -> tuple:
         """The shapes (and split structure) a compiled step is traced for: one trace per distinct signature."""
@@ -188,7 +186,7 @@ def prepare_packed_step(pairs: Pairs, lengths: list[int], engine: EngineSettings
         chosen = pairs.select([i for row in group for i in row])
         packed = packed_rows(chosen, [len(row) for row in group], e.pack_width, e.input_multiple or 16, nll_span)
         share = len(chosen) / len(pairs)
-        out.append(_micro_batch(chosen, dataclasses.replace(packed, share=mx.array(share, mx.float32)), share))
+        out.append(_micro_batch(chosen, dataclasses.replace(packed, share=mx.array(share, mx.float32))))
     return out
 
 
@@ -196,9 +194,9 @@ def _scored_tokens(pairs: Pairs) -> int:
     return sum(map(sum, pairs.chosen_mask + pairs.rejected_mask))
 
 
-def _micro_batch(pairs: Pairs, packed: PackedPairs, share: float | None = None) -> MicroBatch:
+def _micro_batch(pairs: Pairs, packed: PackedPairs) -> MicroBatch:
     return MicroBatch(len(pairs), _scored_tokens(pairs), packed.row_tokens, packed.two_forward_tokens,
-                      int(packed.layout.tokens.size), packed=packed, share=share)
+                      int(packed.layout.tokens.size), packed=packed)
 
 
 # --- rows -> log-probs ---

@@ -38,18 +38,20 @@ _POOL_RESERVED, _POOL_USED = 5, 7
 
 
 @functools.cache
-def _default_pool(index: int) -> tuple[ctypes.CDLL, ctypes.c_void_p] | None:
-    """The CUDA driver and device `index`'s default memory pool, looked up once; None where the driver does not
-    answer."""
+def _driver() -> ctypes.CDLL | None:
+    """The CUDA driver, initialised once; None where there is none."""
     try:
         cuda = ctypes.CDLL("libcuda.so.1")
     except OSError:
         return None
-    device, pool = ctypes.c_int(), ctypes.c_void_p()
-    if cuda.cuInit(0) or cuda.cuDeviceGet(ctypes.byref(device), index) or cuda.cuDeviceGetDefaultMemPool(
-            ctypes.byref(pool), device):
-        return None
-    return cuda, pool
+    return None if cuda.cuInit(0) else cuda
+
+
+@functools.cache
+def _default_pool(device: int) -> ctypes.c_void_p | None:
+    """Device `device`'s default memory pool, looked up once."""
+    pool = ctypes.c_void_p()
+    return None if _driver().cuDeviceGetDefaultMemPool(ctypes.byref(pool), device) else pool
 
 
 def cuda_pool_memory() -> dict[str, int] | None:
@@ -57,11 +59,15 @@ def cuda_pool_memory() -> dict[str, int] | None:
     device (`pool_reserved`) and has handed out (`pool_used`), and bytes of the device in use by anyone
     (`device_used`, the driver's total less free): reserved beyond MLX's active and cached buffers is freed memory
     the pool keeps, and device_used beyond reserved is memory outside the pool (context, libraries' workspaces,
-    CUDA graphs); MLX's own counts show neither. None off CUDA or where the driver does not answer."""
-    found = _default_pool(mx.default_device().index) if on_cuda() else None
-    if found is None:
+    CUDA graphs); MLX's own counts show neither. None off CUDA, before MLX has made a context current on this thread,
+    or where the driver does not answer."""
+    cuda = _driver() if on_cuda() else None
+    device = ctypes.c_int()
+    if cuda is None or cuda.cuCtxGetDevice(ctypes.byref(device)):  # MLX's device: mx.Device carries no index
         return None
-    cuda, pool = found
+    pool = _default_pool(device.value)
+    if pool is None:
+        return None
     out = {}
     for name, attribute in (("pool_reserved", _POOL_RESERVED), ("pool_used", _POOL_USED)):
         value = ctypes.c_uint64()
@@ -69,6 +75,6 @@ def cuda_pool_memory() -> dict[str, int] | None:
             return None
         out[name] = value.value
     free, total = ctypes.c_size_t(), ctypes.c_size_t()
-    if cuda.cuMemGetInfo_v2(ctypes.byref(free), ctypes.byref(total)) == 0:  # left out where no context is current
+    if cuda.cuMemGetInfo_v2(ctypes.byref(free), ctypes.byref(total)) == 0:
         out["device_used"] = total.value - free.value
     return out

@@ -218,6 +218,26 @@ def test_rope_at_equals_the_rope_at_each_tokens_position(kind):
     assert np.abs(np.array(got[1, :, 3:]) - np.array(rope(x)[1, :, 3:])).max() > 1e-2  # the restart matters
 
 
+def test_rope_at_in_several_calls_equals_one_call(monkeypatch):
+    """Where CUDA's rope cannot take every row at once (fewer than 32 rotated dims), the rows go in calls of at most
+    64 and give the bits of one call."""
+    import orpo.engine.forward as forward
+    from mlx_lm.models.rope_utils import initialize_rope
+    assert forward.rope_rows_per_call(128, 32, True) is None and forward.rope_rows_per_call(16, 2, False) is None
+    assert forward.rope_rows_per_call(16, 2, True) == 64 and forward.rope_rows_per_call(16, 32, True) == 8
+    rope = initialize_rope(16, 10000.0, False, None, 512)
+    x = mx.random.normal((2, 70, 3, 16), key=mx.random.key(4)).transpose(0, 2, 1, 3)
+    positions = mx.concatenate([mx.arange(70), mx.arange(70) + 5]).astype(mx.int32)
+    whole = forward.rope_at(rope, x, positions)
+    calls = []
+    counted = lambda rows, offset: calls.append(len(rows)) or rope(rows, offset=offset)  # noqa: E731
+    counted.dims = 16
+    monkeypatch.setattr(forward, "on_cuda", lambda: True)
+    parts = forward.rope_at(counted, x, positions)
+    assert calls == [64, 64, 12]
+    assert np.array_equal(np.array(parts), np.array(whole))
+
+
 def test_sliding_window_uses_logical_positions():
     """gemma3's local layers: a rejected token may see a prompt token within the window by logical distance only."""
     pairs = random_pairs(4, 1)

@@ -21,6 +21,7 @@ import mlx.nn as nn
 from mlx_lm.models import gemma3_text
 from packaging.specifiers import SpecifierSet
 
+from orpo.device import on_cuda
 from orpo.engine.attention import attend
 
 # The mlx-lm versions whose layers this module mirrors (the same range as pyproject's pin).
@@ -139,7 +140,19 @@ def rope_at(rope: nn.Module, x: mx.array, positions: mx.array | None) -> mx.arra
         return rope(x)
     b, h, length, d = x.shape
     rows = x.transpose(0, 2, 1, 3).reshape(b * length, h, 1, d)
-    return rope(rows, offset=positions).reshape(b, length, h, d).transpose(0, 2, 1, 3)
+    step = rope_rows_per_call(getattr(rope, "dims", d), h, on_cuda())
+    if step is None or step >= len(rows):
+        out = rope(rows, offset=positions)
+    else:
+        out = mx.concatenate([rope(rows[i:i + step], offset=positions[i:i + step]) for i in range(0, len(rows), step)])
+    return out.reshape(b, length, h, d).transpose(0, 2, 1, 3)
+
+
+def rope_rows_per_call(dims: int, heads: int, cuda: bool) -> int | None:
+    """How many one-token rows one mx.fast.rope call may rotate (None: any number). MLX 0.32's CUDA rope gives
+    rows of fewer than 32 rotated dims a thread block deeper than CUDA's limit of 64 once rows x ceil(heads / 4)
+    reaches 128, and the launch fails."""
+    return 64 // -(-heads // 4) or 1 if cuda and dims < 32 else None
 
 
 def softcapped_attention(attn: nn.Module, queries: mx.array, keys: mx.array, values: mx.array,

@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 import mlx.core as mx
+import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from orpo.engine import attention, flash  # noqa: E402
@@ -65,16 +66,27 @@ def run(shape: tuple, repeats: int, candidates: dict | None = None) -> dict:
     fits = attention.flash_fits
     # Tight prefix rows' shape: a quarter prompt, then chosen hidden from the queries after it.
     spans = mx.array([[length // 4, length * 5 // 8]] * b, mx.int32)
+    bounds = attention.row_bounds(spans, length)
+    # Packed rows of two such pairs (half the row each): our kernels skip the other pair's key blocks.
+    half = length // 2
+    segments = np.broadcast_to((np.arange(length) >= half).astype(np.int32), (b, length))
+    within = np.arange(length) % half
+    roles = np.broadcast_to(np.select([within < half // 4, within < half * 5 // 8], [attention.PROMPT, attention.CHOSEN],
+                                      attention.REJECTED), (b, length))
+    packed = mx.array(attention.packed_key_bounds(segments, roles))
     paths = {
         "cudnn": lambda q, k, v: sdpa(q, k, v, scale=scale, mask="causal"),
         "ordered-matmul": lambda q, k, v: attention.ordered_attention(q, k, v, scale, "causal"),
         "ordered-flash": lambda q, k, v: attention.ordered_attention(q, k, v, scale, "causal"),
-        "flash-forward-causal": lambda q, k, v: attention.span_attention(q, k, v, scale, flash.no_spans(b)),
-        "flash-spans": lambda q, k, v: attention.span_attention(q, k, v, scale, spans),
+        "flash-forward-causal": lambda q, k, v: attention.span_attention(q, k, v, scale, flash.no_bounds(b, length)),
+        "flash-spans": lambda q, k, v: attention.span_attention(q, k, v, scale, bounds),
+        "flash-packed-2": lambda q, k, v: attention.span_attention(q, k, v, scale, packed),
     }
     if attention.exclusion_fits(d, cuda=True):  # the same rows by the exclusion dims (cuDNN's forward)
         paths["exclusion-dims"] = lambda q, k, v: attention.attend(
             q, k, v, scale, attention.exclusion_mask(spans, length, q.dtype), ordered=True)
+        mask = attention.packed_exclusion_mask(mx.array(segments), mx.array(roles), q.dtype)
+        paths["exclusion-dims-packed-2"] = lambda q, k, v: attention.attend(q, k, v, scale, mask, ordered=True)
     pairs = b * h * length * (length + 1) / 2
     flops = 3 * 4 * pairs * d
     out = {"shape": dict(zip(("batch", "heads", "kv_heads", "length", "head_dim"), shape))}
@@ -154,7 +166,7 @@ def kernels_alone(q, k, v, cot, scale: float, repeats: int) -> dict:
     d = -(-q.shape[-1] // 16) * 16  # as flash_backward pads it
     q, k, v, cot = (flash.pad_head_dim(x, d) for x in (q, k, v, cot))
     delta = mx.random.normal(q.shape[:3])
-    scale_arr, spans = mx.array([scale], mx.float32), flash.no_spans(q.shape[0])
+    scale_arr, spans = mx.array([scale], mx.float32), flash.no_bounds(q.shape[0], q.shape[2])
     lse = flash.dq_and_lse(q, k, v, cot, delta, spans, scale_arr, True)[1]
     mx.eval(lse, delta, q, k, v, cot)
     out = {}

@@ -76,6 +76,51 @@ def exclusion_case(b: int, length: int, seed: int) -> tuple[mx.array, np.ndarray
     return mx.array(spans), keep[:, None]
 
 
+def packed_attention_case(b: int, length: int, seed: int) -> tuple[mx.array, np.ndarray]:
+    """Key bounds of packed rows (several pairs of random lengths a row, one with no chosen token of its own,
+    padding after) and the boolean mask they mean: same pair, causal, rejected blind to chosen."""
+    from orpo.engine.attention import CHOSEN, PROMPT, REJECTED, packed_key_bounds
+    rng = np.random.default_rng(seed)
+    segments, roles = np.zeros((b, length), np.int32), np.zeros((b, length), np.int32)
+    for r in range(b):
+        at, place = 0, 0
+        while at < length - 20 and place < 7:
+            p, c, j = rng.integers(1, 40), 0 if place == 1 else rng.integers(1, 40), rng.integers(1, 40)
+            n = min(p + c + j, length - at)
+            segments[r, at:at + n] = place
+            roles[r, at:at + n] = [PROMPT] * min(p, n) + [CHOSEN] * min(c, max(0, n - p)) + [REJECTED] * max(0, n - p - c)
+            at, place = at + n, place + 1
+        segments[r, at:] = place
+    q, k = np.arange(length)[None, :, None], np.arange(length)[None, None, :]
+    keep = ((segments[:, :, None] == segments[:, None, :]) & (k <= q)
+            & ~((roles[:, :, None] == REJECTED) & (roles[:, None, :] == CHOSEN)))
+    return mx.array(packed_key_bounds(segments, roles)), keep[:, None]
+
+
+def bounds_mask(bounds: np.ndarray) -> np.ndarray:
+    """The boolean mask [B, 1, L, L] key bounds [B, L, 3] mean, causal: what the kernels let a query see."""
+    length = bounds.shape[1]
+    q, k = np.arange(length)[None, :, None], np.arange(length)[None, None, :]
+    lo, hs, he = (bounds[:, :, i, None] for i in range(3))
+    return ((k <= q) & (k >= lo) & ~((k >= hs) & (k < he)))[:, None]
+
+
+def test_key_bounds_mean_the_block_masks():
+    """Per-query key bounds from hidden spans (tight rows) and from packed rows' pair places and roles (several
+    pairs a row, one with no chosen token of its own, padding after) hide exactly what the block masks hide; first
+    keys never decrease along a row."""
+    from orpo.engine.attention import row_bounds
+    spans, keep = exclusion_case(3, 50, 71)
+    assert np.array_equal(bounds_mask(np.array(row_bounds(spans, 50))), keep)
+    for seed in range(5):
+        bounds, keep = packed_attention_case(3, 200, seed)
+        bounds = np.array(bounds)
+        assert np.array_equal(bounds_mask(bounds), keep), seed
+        assert (np.diff(bounds[:, :, 0], axis=1) >= 0).all()
+        hidden = bounds[:, :, 2] > 0  # rejected's queries: a chosen span, empty for the pair with none
+        assert (bounds[:, :, 1] < bounds[:, :, 2])[hidden].any() and (bounds[:, :, 1] == bounds[:, :, 2])[hidden].any()
+
+
 def exclusion_attention(q, k, v, spans):
     """The engine's attention with an ExclusionMask."""
     from orpo.engine.attention import exclusion_mask

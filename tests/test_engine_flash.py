@@ -10,7 +10,8 @@ path's ordered backward and autodiff through mx.fast's attention give.
 import mlx.core as mx
 import numpy as np
 import pytest
-from test_engine_attention import SCALE, exclusion_case, numpy_attention, numpy_attention_grads, qkv
+from test_engine_attention import (SCALE, exclusion_case, numpy_attention, numpy_attention_grads,
+                                   packed_attention_case, qkv)
 
 from orpo.device import on_cuda
 from orpo.engine import attention, flash
@@ -82,6 +83,7 @@ def test_span_attention_equals_float64(dtype):
     for name, (b, h, kvh, length, d) in {"gqa-d64": (3, 8, 2, 200, 64), "d128": (2, 4, 1, 130, 128)}.items():
         q, k, v = qkv(b, h, kvh, length, d, seed=51)
         spans, keep = exclusion_case(b, length, 52)
+        spans = attention.row_bounds(spans, length)
         cot = mx.array(np.random.default_rng(53).normal(size=q.shape).astype(np.float32))
         half = [x.astype(dtype) for x in (q, k, v)]
 
@@ -99,7 +101,7 @@ def test_span_attention_equals_float64(dtype):
             assert np.linalg.norm(g - w) / np.linalg.norm(w) < 3e-2, (name, part)
         for g, again in zip(got, step(*half)):
             np.testing.assert_array_equal(g, np.array(again.astype(mx.float32)))
-        nothing = span_attention(*half, SCALE, flash.no_spans(b)).astype(mx.float32)
+        nothing = span_attention(*half, SCALE, flash.no_bounds(b, length)).astype(mx.float32)
         causal = mx.fast.scaled_dot_product_attention(*half, scale=SCALE, mask="causal").astype(mx.float32)
         assert np.linalg.norm(np.array(nothing) - np.array(causal)) / np.linalg.norm(np.array(causal)) < 2e-2, name
 
@@ -128,3 +130,57 @@ def test_tight_rows_at_head_dim_128_give_the_hidden_states_of_separate_forwards(
 
     want, got = gathered(plain), gathered(shared)
     assert np.linalg.norm(got - want) / np.linalg.norm(want) < 2e-2
+
+
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16])
+def test_packed_rows_attend_within_their_pairs_as_float64(dtype):
+    """Forward and gradients on packed rows' key bounds (several pairs a row, lengths off the tiles, GQA, head dims
+    64 and 128) equal numpy's float64 attention under the pairs' block mask, with the blocks no row of a block sees
+    skipped; the same bits again under mx.compile."""
+    from orpo.engine.attention import span_attention
+    for name, (b, h, kvh, length, d) in {"gqa-d64": (2, 8, 2, 300, 64), "d128": (2, 4, 1, 260, 128)}.items():
+        q, k, v = qkv(b, h, kvh, length, d, seed=61)
+        bounds, keep = packed_attention_case(b, length, 62)
+        cot = mx.array(np.random.default_rng(63).normal(size=q.shape).astype(np.float32))
+        half = [x.astype(dtype) for x in (q, k, v)]
+
+        def loss(q, k, v):
+            return (span_attention(q, k, v, SCALE, bounds).astype(mx.float32) * cot).sum()
+
+        out = span_attention(*half, SCALE, bounds).astype(mx.float32)
+        want = numpy_attention(q, k, v, SCALE, mx.array(keep))
+        assert np.linalg.norm(np.array(out) - want) / np.linalg.norm(want) < 2e-2, name
+        step = mx.compile(mx.grad(loss, argnums=(0, 1, 2)))
+        got = [np.array(x.astype(mx.float32)) for x in step(*half)]
+        for part, g, w in zip("qkv", got, numpy_attention_grads(q, k, v, SCALE, mx.array(keep), cot)):
+            assert np.linalg.norm(g - w) / np.linalg.norm(w) < 3e-2, (name, part)
+        for g, again in zip(got, step(*half)):
+            np.testing.assert_array_equal(g, np.array(again.astype(mx.float32)))
+
+
+def test_packed_rows_at_head_dim_128_give_each_pair_the_hidden_states_it_has_alone():
+    """A bf16 model of head dim 128 packs pairs through our kernels (the exclusion dims do not fit cuDNN), and each
+    pair's hidden states at its scored positions equal those of the pair alone in its own row to bf16 rounding."""
+    from test_engine_stack import random_pairs, tiny_model, with_unshared_pair
+
+    from orpo.engine.attention import HiddenSpans
+    from orpo.engine.stack import Stack
+    from orpo.train.rows import packed_rows, shared_rows
+    model = tiny_model("llama", head_dim=128)
+    model.set_dtype(mx.bfloat16)
+    pairs = with_unshared_pair(random_pairs(11, 7), 12)
+    packed = packed_rows(pairs, [3, 3, 2], 48)
+    stack = Stack(model)
+    assert all(isinstance(m, HiddenSpans) for m in stack.masks(packed.layout, stack.embed(packed.layout.tokens)))
+    h = stack.hidden(packed.layout).astype(mx.float32)
+    got = np.array(h.reshape(-1, h.shape[-1])[packed.index])
+    chosen, rejected = [], []
+    for i in range(len(pairs)):
+        alone = shared_rows(pairs.select([i]), attention="exclusion")
+        ha = stack.hidden(alone.layout).astype(mx.float32)
+        rows = np.array(ha.reshape(-1, ha.shape[-1])[alone.index])
+        nc, nr = (int(x) for x in (np.array(alone.weights) > 0).sum(axis=1))
+        chosen.append(rows[:nc])
+        rejected.append(rows[nc:nc + nr])
+    want = np.concatenate(chosen + rejected)
+    assert np.linalg.norm(got[:len(want)] - want) / np.linalg.norm(want) < 2e-2

@@ -7,8 +7,10 @@ naive run and replays bit-exactly.
 
 import json
 
+import mlx.core as mx
 import numpy as np
 import pytest
+from test_engine_attention import bounds_mask
 from test_engine_ladder import LAM, PLAIN, adapters, assert_close, lora_model, naive, resolved
 from test_engine_stack import random_pairs, tiny_model, with_unshared_pair
 from test_train_recipe import naive_with_span
@@ -75,6 +77,7 @@ def test_each_packed_pair_sees_only_itself(variant):
     got = np.array(lay.visible())
     real = expected.any(axis=2)  # padding's queries (never scored) see only padding
     assert np.array_equal(got[real], expected[real])
+    assert np.array_equal(bounds_mask(np.array(lay.key_bounds))[:, 0][real], expected[real])  # our kernels' bounds
     stack = Stack(model)
     if variant == "llama":
         assert all(isinstance(m, ExclusionMask) for m in stack.masks(lay, stack.embed(lay.tokens)))
@@ -193,10 +196,10 @@ def test_a_packed_run_ends_near_the_naive_run_and_replays(tiny_base, short_rende
               train_settings({**settings, "engine": {**packed, "pack_width": 16}}))
 
 
-def test_auto_packs_on_cuda_where_the_exclusion_dims_fit():
+def test_auto_packs_on_cuda_where_packed_rows_attend_fused():
     """auto: on CUDA, rows of the longest pair's positions on the width ladder, rows a micro-batch nearest
-    batch_size pairs of the mean length; off elsewhere, for pairs of one length, at a head dim of 128 and with split
-    rows; set values stay."""
+    batch_size pairs of the mean length (a head dim of 128 in bf16 too: our kernels); off elsewhere, for pairs of
+    one length, at a head dim of 128 in float32 and with split rows; set values stay."""
     from orpo.train.settings import engine_settings
     from orpo.train.step import plan_packing
 
@@ -209,6 +212,8 @@ def test_auto_packs_on_cuda_where_the_exclusion_dims_fit():
     assert plan_packing(engine_settings({"width_multiple": 128, "prefix_attention": "split"}), model, lengths, 4,
                         cuda=True)["pack_width"] == 0
     wide = tiny_model("llama", head_dim=128, num_attention_heads=2, num_key_value_heads=1, hidden_size=128)
-    assert plan_packing(auto, wide, lengths, 4, cuda=True)["pack_width"] == 0
+    assert plan_packing(auto, wide, lengths, 4, cuda=True)["pack_width"] == 0  # float32: neither fits on CUDA
+    wide.set_dtype(mx.bfloat16)  # our kernels take it
+    assert plan_packing(auto, wide, lengths, 4, cuda=True) == {"pack_width": 2304, "pack_rows": 2}
     assert plan_packing(engine_settings({"pack_width": 4096}), model, lengths, 16, cuda=False) == {
         "pack_width": 4096, "pack_rows": round(16 * 1039 / 4096)}

@@ -2,7 +2,8 @@
 
 SplitRows and ExclusionMask keep MLX's fused causal attention (cuDNN's forward and backward on CUDA) instead of a
 mask array; where the exclusion's extra head dims do not fit it, HiddenSpans runs our own kernels
-(orpo.engine.flash). `ordered_attention` sums its gradients in a fixed order, for replays that are bit-exact on CUDA.
+(orpo.engine.flash) on each query's key bounds. `ordered_attention` sums its gradients in a fixed order, for
+replays that are bit-exact on CUDA.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
+import numpy as np
 
 from orpo.device import on_cuda
 from orpo.engine.flash import flash_backward, flash_fits, flash_forward, spans_fit
@@ -57,10 +59,38 @@ class ExclusionMask:
 
 @dataclass(frozen=True, eq=False)
 class HiddenSpans:
-    """Causal attention in which row b's queries from spans[b, 1] on cannot see its keys spans[b, 0] ..
-    spans[b, 1] - 1 ([B, 2] int32), run by our CUDA kernels (`span_attention`)."""
+    """Causal attention in which query i of row b sees no key below bounds[b, i, 0] and none of bounds[b, i, 1] ..
+    bounds[b, i, 2] - 1 ([B, L, 3] int32), run by our CUDA kernels (`span_attention`)."""
 
-    spans: mx.array
+    bounds: mx.array
+
+
+def row_bounds(spans: mx.array, length: int) -> mx.array:
+    """Key bounds [B, L, 3] of rows with hidden spans [B, 2]: queries from spans[b, 1] on do not see keys
+    spans[b, 0] .. spans[b, 1] - 1."""
+    pos = mx.arange(length)[None]
+    hidden = pos >= spans[:, 1:]
+    zero = mx.zeros_like(pos)
+    return mx.stack([mx.broadcast_to(zero, hidden.shape), mx.where(hidden, spans[:, :1], zero),
+                     mx.where(hidden, spans[:, 1:], zero)], axis=-1).astype(mx.int32)
+
+
+def packed_key_bounds(segments: np.ndarray, roles: np.ndarray) -> np.ndarray:
+    """Key bounds [B, L, 3] (host) of packed rows from each token's pair place and role [B, L]: a token sees no key
+    before its pair's first token (padding: its own), and rejected's tokens none of their pair's chosen ones."""
+    b, length = segments.shape
+    pos = np.broadcast_to(np.arange(length), (b, length))
+    first = np.ones((b, length), bool)
+    first[:, 1:] = segments[:, 1:] != segments[:, :-1]
+    lo = np.maximum.accumulate(np.where(first, pos, 0), axis=1)
+    # Within a pair: prompt, then chosen, then rejected; the hidden span runs from its first token past the prompt
+    # (rejected's own first token where chosen has none) to rejected's first.
+    past_prompt = (roles != PROMPT) & (first | np.pad(roles[:, :-1] == PROMPT, ((0, 0), (1, 0))))
+    into_rejected = (roles == REJECTED) & (first | np.pad(roles[:, :-1] != REJECTED, ((0, 0), (1, 0))))
+    hs = np.maximum.accumulate(np.where(past_prompt, pos, 0), axis=1)
+    he = np.maximum.accumulate(np.where(into_rejected, pos, 0), axis=1)
+    rejected = roles == REJECTED
+    return np.stack([lo, np.where(rejected, hs, 0), np.where(rejected, he, 0)], axis=-1).astype(np.int32)
 
 
 def exclusion_mask(spans: mx.array, length: int, dtype: mx.Dtype) -> ExclusionMask:
@@ -87,28 +117,40 @@ def _exclusion(flagged: mx.array, excluded: mx.array, segments: mx.array | None,
     return ExclusionMask(q[:, None], k[:, None])
 
 
+def kernels_attend(head_dim: int, dtype: mx.Dtype) -> bool:
+    """Whether tight and packed rows attend through our kernels here: on CUDA where the exclusion dims do not keep
+    MLX's fused attention (where both run, the exclusion dims were as fast in the product, bench/README.md)."""
+    return not exclusion_fits(head_dim, on_cuda()) and spans_fit(head_dim, dtype)  # the exclusion fits off CUDA
+
+
 def tight_mask(spans: mx.array, length: int, head_dim: int, dtype: mx.Dtype) -> ExclusionMask | HiddenSpans:
-    """How rows with hidden spans attend here: the exclusion dims where they keep MLX's fused attention (as fast
-    as our kernels in the product where both run, bench/README.md), else on CUDA our kernels' HiddenSpans."""
-    if not exclusion_fits(head_dim, on_cuda()) and spans_fit(head_dim, dtype):  # the exclusion fits off CUDA
-        return HiddenSpans(spans)
+    """How rows with hidden spans attend here: the exclusion dims, or our kernels (`kernels_attend`)."""
+    if kernels_attend(head_dim, dtype):
+        return HiddenSpans(row_bounds(spans, length))
     return exclusion_mask(spans, length, dtype)
 
 
-def span_attention(q: mx.array, k: mx.array, v: mx.array, scale: float, spans: mx.array) -> mx.array:
-    """Causal attention under hidden spans [B, 2] through our kernels: forward, and the ordered backward."""
+def packed_mask(segments: mx.array, roles: mx.array, bounds: mx.array, head_dim: int,
+                dtype: mx.Dtype) -> ExclusionMask | HiddenSpans:
+    """How packed rows attend here: the exclusion dims, or our kernels on the rows' key bounds (`kernels_attend`)."""
+    return HiddenSpans(bounds) if kernels_attend(head_dim, dtype) else packed_exclusion_mask(segments, roles, dtype)
+
+
+def span_attention(q: mx.array, k: mx.array, v: mx.array, scale: float, bounds: mx.array) -> mx.array:
+    """Causal attention under key bounds [B, L, 3] (HiddenSpans) through our kernels: forward, and the ordered
+    backward."""
 
     @mx.custom_function
-    def fn(q: mx.array, k: mx.array, v: mx.array, spans: mx.array) -> mx.array:
-        return flash_forward(q, k, v, scale, True, spans)
+    def fn(q: mx.array, k: mx.array, v: mx.array, bounds: mx.array) -> mx.array:
+        return flash_forward(q, k, v, scale, True, bounds)
 
     @fn.vjp
     def fn_vjp(primals: list[mx.array], cotangent: mx.array, output: mx.array) -> tuple[mx.array, ...]:
-        q, k, v, spans = primals
+        q, k, v, bounds = primals
         delta = (cotangent.astype(mx.float32) * output.astype(mx.float32)).sum(axis=-1)
-        return (*flash_backward(q, k, v, scale, True, cotangent, delta, spans), mx.zeros_like(spans))
+        return (*flash_backward(q, k, v, scale, True, cotangent, delta, bounds), mx.zeros_like(bounds))
 
-    return fn(q, k, v, spans)
+    return fn(q, k, v, bounds)
 
 
 @dataclass(frozen=True)
@@ -242,7 +284,7 @@ def attend(queries: mx.array, keys: mx.array, values: mx.array, scale: float, ma
     attention as mlx-lm's layers call it. `ordered`: each attention is `ordered_attention`.
     """
     if isinstance(mask, HiddenSpans):
-        return span_attention(queries, keys, values, scale, mask.spans)
+        return span_attention(queries, keys, values, scale, mask.bounds)
     sdpa = ordered_attention if ordered else mx.fast.scaled_dot_product_attention
     if isinstance(mask, SplitRows):
         causal = lambda q, k, v: sdpa(q, k, v, scale=scale, mask="causal")  # noqa: E731

@@ -38,7 +38,7 @@ def kept_count(owner: nn.Module) -> int:
     return len(_kept(owner))
 
 
-LAYOUT_FIELDS = ("tokens", "positions", "hidden_spans", "segments", "roles")
+LAYOUT_FIELDS = ("tokens", "positions", "hidden_spans", "segments", "roles", "key_bounds")
 
 
 def layout_arrays(layout: Layout) -> tuple[tuple[Hashable, ...], dict[str, mx.array]]:
@@ -63,7 +63,7 @@ def mask_arrays(masks: list[Any]) -> tuple[tuple[Hashable, ...], list[mx.array]]
             arrays.extend([m.queries, m.keys])
         elif isinstance(m, HiddenSpans):
             spec.append(("spans", len(arrays)))
-            arrays.append(m.spans)
+            arrays.append(m.bounds)
         elif isinstance(m, mx.array):
             spec.append(("array", len(arrays)))
             arrays.append(m)

@@ -1,6 +1,7 @@
 """Causal (or unmasked) attention as CUDA kernels that keep the scores on chip: a forward, and a backward summing in
-a fixed order. Both take per-row hidden key spans (prefix rows: rejected's queries blind to chosen's keys), which
-no head-dim trick needs, so they run at any head dim up to 128.
+a fixed order. Both take each query's key bounds (its first key: packed rows keep a pair to itself; a hidden span:
+prefix rows keep rejected's queries blind to chosen's keys), which no head-dim trick needs, so they run at any head
+dim up to 128, and skip the key blocks (query blocks) no row of a block sees.
 
 `flash_backward` gives what `attention.ordered_backward` gives (the same products, bf16 or fp16 operands, float32
 sums) without writing a block's float32 scores to memory: one kernel per query block recomputes the row's
@@ -122,11 +123,12 @@ __device__ __forceinline__ void fab_scores(float (*s)[4], const T* a, const T* b
   }
 }
 
-// Whether query r sees key `key`: inside the rows, causal (bottom-right aligned by `offset`) where asked, and
-// not inside the row's hidden span [hs, he) once the query is past its end (prefix rows: rejected never sees chosen).
+// Whether query r sees key `key`: inside the rows, causal (bottom-right aligned by `offset`) where asked, not
+// below the query's first key `lo` (packed rows: its pair's first token) and not in its hidden span [hs, he)
+// (prefix rows: rejected's queries never see chosen's keys).
 template <bool CAUSAL>
-__device__ __forceinline__ bool fab_sees(int r, int key, int L, int S, int offset, int hs, int he) {
-  return r < L && key < S && (!CAUSAL || key <= r + offset) && !(r + offset >= he && key >= hs && key < he);
+__device__ __forceinline__ bool fab_sees(int r, int key, int L, int S, int offset, int lo, int hs, int he) {
+  return r < L && key < S && (!CAUSAL || key <= r + offset) && key >= lo && !(key >= hs && key < he);
 }
 
 // acc[D/8][4] += P (the warp's 16 x K, as score fragments) * M (K rows of a [.., D] tile).
@@ -156,13 +158,15 @@ __device__ __forceinline__ void fab_accumulate(float (*acc)[4], const float (*p)
 // take the block in, and alpha gets the factor by which the earlier blocks' sum (and anything summed with it) shrinks.
 template <int BC, bool CAUSAL>
 __device__ __forceinline__ void fab_softmax_block(float (*s)[4], float* m, float* l, float* alpha, const int* row,
-                                                  int k0, int L, int S, int offset, int hs, int he, float sl, int t) {
+                                                  const int (*bd)[3], int k0, int L, int S, int offset, float sl,
+                                                  int t) {
   float top[2] = {fab_neg_inf(), fab_neg_inf()};
 #pragma unroll
   for (int n = 0; n < BC / 8; ++n)
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
-      bool ok = fab_sees<CAUSAL>(row[e >> 1], k0 + n * 8 + t * 2 + (e & 1), L, S, offset, hs, he);
+      const int* b = bd[e >> 1];
+      bool ok = fab_sees<CAUSAL>(row[e >> 1], k0 + n * 8 + t * 2 + (e & 1), L, S, offset, b[0], b[1], b[2]);
       s[n][e] = ok ? s[n][e] * sl : fab_neg_inf();
       top[e >> 1] = fmaxf(top[e >> 1], s[n][e]);
     }
@@ -185,19 +189,20 @@ __device__ __forceinline__ void fab_softmax_block(float (*s)[4], float* m, float
   }
 }
 
-// Pass 1 of a query block: the log-sum-exp (base 2, of sl * scores) of the warp's rows row[0], row[1] over the
-// keys below kend they see, key blocks double-buffered in sK (2 * BC rows).
+// Pass 1 of a query block: the log-sum-exp (base 2, of sl * scores) of the warp's rows row[0], row[1] (bounds
+// bd) over the keys kfirst .. kend - 1 they see, key blocks double-buffered in sK (2 * BC rows).
 template <typename T, int DK, int BC, bool CAUSAL>
-__device__ __forceinline__ void fab_rows_lse(float* lse, const T* sQw, T* sK, const T* kg, const int* row, int L,
-                                             int S, int offset, int hs, int he, int kend, float sl, int g, int t) {
+__device__ __forceinline__ void fab_rows_lse(float* lse, const T* sQw, T* sK, const T* kg, const int* row,
+                                             const int (*bd)[3], int L, int S, int offset, int kfirst, int kend,
+                                             float sl, int g, int t) {
   constexpr int SK = DK + FAB_PAD;
   float m[2] = {fab_neg_inf(), fab_neg_inf()}, l[2] = {0.f, 0.f}, alpha[2];
   float s[BC / 8][4];
-  const int blocks = (kend + BC - 1) / BC;
-  fab_load_async<T, DK>(sK, kg, 0, BC, S);
+  const int blocks = (kend - kfirst + BC - 1) / BC;
+  fab_load_async<T, DK>(sK, kg, kfirst, BC, S);
   fab_commit();
   for (int j = 0; j < blocks; ++j) {
-    const int k0 = j * BC;
+    const int k0 = kfirst + j * BC;
     if (j + 1 < blocks) {
       fab_load_async<T, DK>(sK + ((j + 1) & 1) * BC * SK, kg, k0 + BC, BC, S);
       fab_commit();
@@ -207,7 +212,7 @@ __device__ __forceinline__ void fab_rows_lse(float* lse, const T* sQw, T* sK, co
     }
     __syncthreads();
     fab_scores<T, DK, BC>(s, sQw, sK + (j & 1) * BC * SK, g, t);
-    fab_softmax_block<BC, CAUSAL>(s, m, l, alpha, row, k0, L, S, offset, hs, he, sl, t);
+    fab_softmax_block<BC, CAUSAL>(s, m, l, alpha, row, bd, k0, L, S, offset, sl, t);
     __syncthreads();  // the next copy overwrites this block's buffer
   }
 #pragma unroll
@@ -219,7 +224,8 @@ __device__ __forceinline__ void fab_rows_lse(float* lse, const T* sQw, T* sK, co
 }
 """
 
-# The query-block kernels' indices: this block's queries, head, row, key head, and the row's hidden span.
+# The query-block kernels' indices: this block's queries, head, row, key head; the warp's rows and their key
+# bounds; the first key block any of the block's rows sees (packed rows skip the earlier pairs' keys).
 _QUERY_BLOCK = r"""  const int H = q_shape[1], L = q_shape[2], KVH = k_shape[1], S = k_shape[2];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane >> 2, t = lane & 3;
   // Causal: the last query blocks see the most keys; blocks start in order of x, so they take x = 0 first.
@@ -227,16 +233,27 @@ _QUERY_BLOCK = r"""  const int H = q_shape[1], L = q_shape[2], KVH = k_shape[1],
   const int kvh = h / (H / KVH), offset = S - L;
   const size_t bh = (size_t)b * H + h, bkv = (size_t)b * KVH + kvh;
   const float sl = scale[0] * FAB_LOG2E;
-  const int hs = spans[2 * b], he = spans[2 * b + 1];
+  const int row[2] = {q0 + warp * 16 + g, q0 + warp * 16 + g + 8};
+  int bd[2][3];
+#pragma unroll
+  for (int i = 0; i < 2; ++i)
+#pragma unroll
+    for (int c = 0; c < 3; ++c) bd[i][c] = bounds[((size_t)b * L + min(row[i], L - 1)) * 3 + c];
+  __shared__ int fab_lo;
+  if (threadIdx.x == 0) fab_lo = S;
+  __syncthreads();
+  if (threadIdx.x < BR && q0 + threadIdx.x < L) atomicMin(&fab_lo, bounds[((size_t)b * L + q0 + threadIdx.x) * 3]);
+  __syncthreads();
+  const int kfirst = fab_lo / BC * BC;
 """
 
-# The walk over key blocks (the forward's, and the dQ kernel's pass 2), K and V double-buffered: block j is read
-# while block j + 1 is copied.
-_KEY_BLOCKS = r"""  fab_load_async<T, DK>(sK, kg, 0, BC, S);
-  fab_load_async<T, DV>(sV, vg, 0, BC, S);
+# The walk over key blocks from kfirst (the forward's, and the dQ kernel's pass 2), K and V double-buffered: block
+# j is read while block j + 1 is copied.
+_KEY_BLOCKS = r"""  fab_load_async<T, DK>(sK, kg, kfirst, BC, S);
+  fab_load_async<T, DV>(sV, vg, kfirst, BC, S);
   fab_commit();
   for (int j = 0; j < blocks; ++j) {
-    const int k0 = j * BC;
+    const int k0 = kfirst + j * BC;
     if (j + 1 < blocks) {
       fab_load_async<T, DK>(sK + ((j + 1) & 1) * BC * SK, kg, k0 + BC, BC, S);
       fab_load_async<T, DV>(sV + ((j + 1) & 1) * BC * SV, vg, k0 + BC, BC, S);
@@ -259,14 +276,13 @@ _DQ_SOURCE = r"""
 """ + _QUERY_BLOCK + r"""
   fab_load<T, DK>(sQ, q + bh * L * DK, q0, BR, L);
   fab_load<T, DV>(sO, dout + bh * L * DV, q0, BR, L);
-  const int row[2] = {q0 + warp * 16 + g, q0 + warp * 16 + g + 8};
   const int kend = CAUSAL ? min(S, q0 + BR + offset) : S;
   float s[BC / 8][4], dp[BC / 8][4];
   const T* kg = k + bkv * S * DK;
   const T* vg = v + bkv * S * DV;
-  const int blocks = (kend + BC - 1) / BC;
+  const int blocks = (kend - kfirst + BC - 1) / BC;
   float lse[2], dl[2];
-  fab_rows_lse<T, DK, BC, CAUSAL>(lse, sQ + warp * 16 * SK, sK, kg, row, L, S, offset, hs, he, kend, sl, g, t);
+  fab_rows_lse<T, DK, BC, CAUSAL>(lse, sQ + warp * 16 * SK, sK, kg, row, bd, L, S, offset, kfirst, kend, sl, g, t);
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
     dl[i] = row[i] < L ? delta[bh * L + row[i]] : 0.f;
@@ -283,7 +299,8 @@ _DQ_SOURCE = r"""
     for (int n = 0; n < BC / 8; ++n)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        bool ok = fab_sees<CAUSAL>(row[e >> 1], k0 + n * 8 + t * 2 + (e & 1), L, S, offset, hs, he);
+        const int* r = bd[e >> 1];
+        bool ok = fab_sees<CAUSAL>(row[e >> 1], k0 + n * 8 + t * 2 + (e & 1), L, S, offset, r[0], r[1], r[2]);
         float p = ok ? exp2f(s[n][e] * sl - lse[e >> 1]) : 0.f;
         s[n][e] = p * (dp[n][e] - dl[e >> 1]);
       }
@@ -311,17 +328,16 @@ _FORWARD_SOURCE = r"""
   T* sV = sK + 2 * BC * SK;
 """ + _QUERY_BLOCK + r"""
   fab_load<T, DK>(sQ, q + bh * L * DK, q0, BR, L);
-  const int row[2] = {q0 + warp * 16 + g, q0 + warp * 16 + g + 8};
   const int kend = CAUSAL ? min(S, q0 + BR + offset) : S;
   const T* kg = k + bkv * S * DK;
   const T* vg = v + bkv * S * DV;
-  const int blocks = (kend + BC - 1) / BC;
+  const int blocks = (kend - kfirst + BC - 1) / BC;
   float m[2] = {fab_neg_inf(), fab_neg_inf()}, l[2] = {0.f, 0.f}, alpha[2], s[BC / 8][4], acc[DV / 8][4];
 #pragma unroll
   for (int n = 0; n < DV / 8; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;
 """ + _KEY_BLOCKS + r"""
     fab_scores<T, DK, BC>(s, sQ + warp * 16 * SK, sK + (j & 1) * BC * SK, g, t);
-    fab_softmax_block<BC, CAUSAL>(s, m, l, alpha, row, k0, L, S, offset, hs, he, sl, t);
+    fab_softmax_block<BC, CAUSAL>(s, m, l, alpha, row, bd, k0, L, S, offset, sl, t);
 #pragma unroll
     for (int n = 0; n < DV / 8; ++n) {
       acc[n][0] *= alpha[0];
@@ -355,10 +371,10 @@ _DKV_SOURCE = r"""
   T* sO = sQ + 2 * BR * SK;
   float* sL = reinterpret_cast<float*>(sO + 2 * BR * SV);
   float* sD = sL + 2 * BR;
+  int* sB = reinterpret_cast<int*>(sD + 2 * BR);  // the query blocks' key bounds, 3 a row
   const int H = q_shape[1], L = q_shape[2], KVH = k_shape[1], S = k_shape[2], G = H / KVH;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane >> 2, t = lane & 3;
   const int k0 = blockIdx.x * BC, h = blockIdx.y, kvh = h / G, b = blockIdx.z, offset = S - L;
-  const int hs = spans[2 * b], he = spans[2 * b + 1];
   const size_t bkv = (size_t)b * KVH + kvh, bh = (size_t)b * H + h;
   const float sl = scale[0] * FAB_LOG2E;
   fab_load<T, DK>(sK, k + bkv * S * DK, k0, BC, S);
@@ -380,6 +396,8 @@ _DKV_SOURCE = r"""
       bool ok = r < L;
       fab_copy4(sL + buf * BR + threadIdx.x, lse + bh * L + (ok ? r : 0), ok ? 4 : 0);
       fab_copy4(sD + buf * BR + threadIdx.x, delta + bh * L + (ok ? r : 0), ok ? 4 : 0);
+      for (int c = 0; c < 3; ++c)
+        fab_copy4(sB + (buf * BR + threadIdx.x) * 3 + c, bounds + ((size_t)b * L + (ok ? r : 0)) * 3 + c, ok ? 4 : 0);
     }
     fab_commit();
   };
@@ -397,6 +415,15 @@ _DKV_SOURCE = r"""
     const T* cO = sO + buf * BR * SV;
     const float* cL = sL + buf * BR;
     const float* cD = sD + buf * BR;
+    const int* cB = sB + buf * BR * 3;
+    // A query block whose rows all start past this key block (packed rows: a later pair's) adds nothing.
+    int lo = cB[3 * lane];
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) lo = min(lo, __shfl_xor_sync(0xffffffff, lo, o));
+    if (lo > k0 + BC - 1) {
+      __syncthreads();
+      continue;
+    }
     fab_scores<T, DK, BR>(s, sK + warp * 16 * SK, cQ, g, t);
     fab_scores<T, DV, BR>(dp, sV + warp * 16 * SV, cO, g, t);
 #pragma unroll
@@ -404,7 +431,7 @@ _DKV_SOURCE = r"""
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         int c = n * 8 + t * 2 + (e & 1);
-        bool ok = fab_sees<CAUSAL>(q0 + c, key[e >> 1], L, S, offset, hs, he);
+        bool ok = fab_sees<CAUSAL>(q0 + c, key[e >> 1], L, S, offset, cB[3 * c], cB[3 * c + 1], cB[3 * c + 2]);
         float p = ok ? exp2f(s[n][e] * sl - cL[c]) : 0.f;
         s[n][e] = p;
         dp[n][e] = p * (dp[n][e] - cD[c]);
@@ -437,15 +464,15 @@ def _tiles_bytes(rows_a: int, rows_b: int, dk: int, dv: int, itemsize: int) -> i
 def _kernels(dk: int, dv: int, itemsize: int) -> tuple:
     """The three kernels for head dims (dk, dv) (shared memory is fixed per kernel object)."""
     dq = mx.fast.cuda_kernel(
-        name=f"orpo_flash_dq_{dk}_{dv}", input_names=["q", "k", "v", "dout", "delta", "spans", "scale"],
+        name=f"orpo_flash_dq_{dk}_{dv}", input_names=["q", "k", "v", "dout", "delta", "bounds", "scale"],
         output_names=["dq", "lse_out"], source=_DQ_SOURCE, header=_HEADER,
         shared_memory=_tiles_bytes(DQ_ROWS, 2 * DQ_KEYS, dk, dv, itemsize))
     dkv = mx.fast.cuda_kernel(
-        name=f"orpo_flash_dkv_{dk}_{dv}", input_names=["q", "k", "v", "dout", "delta", "lse", "spans", "scale"],
+        name=f"orpo_flash_dkv_{dk}_{dv}", input_names=["q", "k", "v", "dout", "delta", "lse", "bounds", "scale"],
         output_names=["dk_out", "dv_out"], source=_DKV_SOURCE, header=_HEADER,
-        shared_memory=_tiles_bytes(KV_KEYS, 2 * KV_ROWS, dk, dv, itemsize) + 4 * KV_ROWS * 4)
+        shared_memory=_tiles_bytes(KV_KEYS, 2 * KV_ROWS, dk, dv, itemsize) + (2 + 2 + 6) * KV_ROWS * 4)
     forward = mx.fast.cuda_kernel(
-        name=f"orpo_flash_forward_{dk}_{dv}", input_names=["q", "k", "v", "spans", "scale"],
+        name=f"orpo_flash_forward_{dk}_{dv}", input_names=["q", "k", "v", "bounds", "scale"],
         output_names=["out"], source=_FORWARD_SOURCE, header=_HEADER,
         shared_memory=(DQ_ROWS * (dk + PAD) + 2 * DQ_KEYS * (dk + PAD + dv + PAD)) * itemsize)
     return dq, dkv, forward
@@ -479,9 +506,9 @@ def _template(dtype: mx.Dtype, dk: int, dv: int, causal: bool) -> list:
             ("KV_KEYS", KV_KEYS), ("KV_ROWS", KV_ROWS)]
 
 
-def no_spans(batch: int) -> mx.array:
-    """Hidden spans [B, 2] that hide nothing: plain causal (or unmasked) attention."""
-    return mx.zeros((batch, 2), mx.int32)
+def no_bounds(batch: int, length: int) -> mx.array:
+    """Key bounds [B, L, 3] that hide nothing: plain causal (or unmasked) attention."""
+    return mx.zeros((batch, length, 3), mx.int32)
 
 
 def _padded(q: mx.array, k: mx.array, v: mx.array) -> tuple[mx.array, mx.array, mx.array]:
@@ -490,26 +517,26 @@ def _padded(q: mx.array, k: mx.array, v: mx.array) -> tuple[mx.array, mx.array, 
     return pad_head_dim(q, dk), pad_head_dim(k, dk), pad_head_dim(v, dv)
 
 
-def dq_and_lse(q: mx.array, k: mx.array, v: mx.array, dout: mx.array, delta: mx.array, spans: mx.array,
+def dq_and_lse(q: mx.array, k: mx.array, v: mx.array, dout: mx.array, delta: mx.array, bounds: mx.array,
                scale: mx.array, causal: bool) -> tuple[mx.array, mx.array]:
     """The dQ kernel on head dims already multiples of 16: dq like q, and each row's log-sum-exp [B, H, L] (base
-    2, of scale * log2(e) * scores) for `dk_and_dv`. `delta` [B, H, L] float32, `spans` [B, 2] int32 (as
+    2, of scale * log2(e) * scores) for `dk_and_dv`. `delta` [B, H, L] float32, `bounds` [B, L, 3] int32 (as
     `flash_forward` takes them), `scale` a float32 [1]."""
     b, h, length, dk = q.shape
     return _kernels(dk, v.shape[-1], q.dtype.size)[0](
-        inputs=[q, k, v, dout, delta, spans, scale], template=_template(q.dtype, dk, v.shape[-1], causal),
+        inputs=[q, k, v, dout, delta, bounds, scale], template=_template(q.dtype, dk, v.shape[-1], causal),
         grid=(-(-length // DQ_ROWS) * THREADS, h, b), threadgroup=(THREADS, 1, 1),
         output_shapes=[q.shape, (b, h, length)], output_dtypes=[q.dtype, mx.float32])
 
 
 def dk_and_dv(q: mx.array, k: mx.array, v: mx.array, dout: mx.array, delta: mx.array, lse: mx.array,
-              spans: mx.array, scale: mx.array, causal: bool) -> tuple[mx.array, mx.array]:
+              bounds: mx.array, scale: mx.array, causal: bool) -> tuple[mx.array, mx.array]:
     """The dK/dV kernel, as `dq_and_lse` takes its arguments, given its `lse`: one thread block per key block and
     query head (float32 shares), a key head's shares then summed in head order."""
     b, kvh, keys, dk = k.shape
     h = q.shape[1]
     parts = _kernels(dk, v.shape[-1], q.dtype.size)[1](
-        inputs=[q, k, v, dout, delta, lse, spans, scale], template=_template(q.dtype, dk, v.shape[-1], causal),
+        inputs=[q, k, v, dout, delta, lse, bounds, scale], template=_template(q.dtype, dk, v.shape[-1], causal),
         grid=(-(-keys // KV_KEYS) * THREADS, h, b), threadgroup=(THREADS, 1, 1),
         output_shapes=[(b, h, keys, dk), (b, h, keys, v.shape[-1])], output_dtypes=[mx.float32, mx.float32])
 
@@ -523,29 +550,30 @@ def dk_and_dv(q: mx.array, k: mx.array, v: mx.array, dout: mx.array, delta: mx.a
     return summed(parts[0], k.dtype), summed(parts[1], v.dtype)
 
 
-def flash_forward(q: mx.array, k: mx.array, v: mx.array, scale: float, causal: bool, spans: mx.array) -> mx.array:
+def flash_forward(q: mx.array, k: mx.array, v: mx.array, scale: float, causal: bool, bounds: mx.array) -> mx.array:
     """Softmax attention of q [B, H, L, D] over k/v [B, kv heads, keys, D] (causal bottom-right aligned) in which
-    row b's queries from spans[b, 1] on do not see its keys spans[b, 0] .. spans[b, 1] - 1 (prefix rows:
-    rejected blind to chosen; `no_spans` hides nothing): [B, H, L, D] like q."""
+    query i of row b sees no key below bounds[b, i, 0] (packed rows: its pair's first token) and none of
+    bounds[b, i, 1] .. bounds[b, i, 2] - 1 (prefix rows: rejected blind to chosen); `no_bounds` hides nothing.
+    [B, H, L, D] like q."""
     qp, kp, vp = _padded(q, k, v)
     b, h, length, dk = qp.shape
     out = _kernels(dk, vp.shape[-1], q.dtype.size)[2](
-        inputs=[qp, kp, vp, spans, mx.array([scale], mx.float32)],
+        inputs=[qp, kp, vp, bounds, mx.array([scale], mx.float32)],
         template=_template(q.dtype, dk, vp.shape[-1], causal), grid=(-(-length // DQ_ROWS) * THREADS, h, b),
         threadgroup=(THREADS, 1, 1), output_shapes=[(b, h, length, vp.shape[-1])], output_dtypes=[q.dtype])[0]
     return out[..., :v.shape[-1]]
 
 
 def flash_backward(q: mx.array, k: mx.array, v: mx.array, scale: float, causal: bool, cotangent: mx.array,
-                   delta: mx.array, spans: mx.array | None = None) -> tuple[mx.array, mx.array, mx.array]:
-    """dq, dk, dv of softmax attention (as `flash_forward` takes it; spans None hides nothing) given the output's
+                   delta: mx.array, bounds: mx.array | None = None) -> tuple[mx.array, mx.array, mx.array]:
+    """dq, dk, dv of softmax attention (as `flash_forward` takes it; bounds None hides nothing) given the output's
     cotangent and delta = rowsum(dO * O) [B, H, L] in float32."""
     d, dvv = q.shape[-1], v.shape[-1]
     qp, kp, vp = _padded(q, k, v)
     dop = pad_head_dim(cotangent.astype(q.dtype), vp.shape[-1])
-    spans = no_spans(q.shape[0]) if spans is None else spans
+    bounds = no_bounds(q.shape[0], q.shape[2]) if bounds is None else bounds
     scale_arr = mx.array([scale], mx.float32)
     delta = delta.reshape(q.shape[:3]).astype(mx.float32)
-    dq, lse = dq_and_lse(qp, kp, vp, dop, delta, spans, scale_arr, causal)
-    dk, dv = dk_and_dv(qp, kp, vp, dop, delta, lse, spans, scale_arr, causal)
+    dq, lse = dq_and_lse(qp, kp, vp, dop, delta, bounds, scale_arr, causal)
+    dk, dv = dk_and_dv(qp, kp, vp, dop, delta, lse, bounds, scale_arr, causal)
     return dq[..., :d], dk[..., :d], dv[..., :dvv]

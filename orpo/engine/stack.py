@@ -18,7 +18,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.models.base import create_attention_mask
 
-from orpo.engine.attention import CHOSEN, REJECTED, SplitRows, packed_exclusion_mask, tight_mask
+from orpo.engine.attention import CHOSEN, REJECTED, SplitRows, packed_mask, tight_mask
 from orpo.engine.forward import FAMILIES, check_mlx_lm, check_parts, family_of, run_layers
 
 
@@ -42,7 +42,8 @@ class Layout:
     queries from `end` on may not see (beyond that, causal: rejected blind to chosen); `split`, where the rows are
     laid out for it, lets attention run as SplitRows. Rows of several pairs carry `segments[r, i]`, the place of
     token i's pair in its row (a query sees its own pair's keys only), and `roles[r, i]` (PROMPT, CHOSEN or
-    REJECTED: rejected's queries do not see chosen's keys) instead of hidden spans.
+    REJECTED: rejected's queries do not see chosen's keys) instead of hidden spans, and the same as each query's
+    key bounds [r, i, 3] (`attention.packed_key_bounds`) for our kernels.
     """
 
     tokens: mx.array
@@ -51,6 +52,7 @@ class Layout:
     split: SplitRows | None = None
     segments: mx.array | None = None
     roles: mx.array | None = None
+    key_bounds: mx.array | None = None
 
     @property
     def plain(self) -> bool:
@@ -138,10 +140,10 @@ class Stack:
             if layout.plain:
                 built[w] = create_attention_mask(h, None, window_size=w, return_array=self.array_masks)
             elif w is None and not self.array_masks:
+                head_dim = head_dim_of(self.model)
                 if layout.segments is not None:
-                    built[w] = packed_exclusion_mask(layout.segments, layout.roles, h.dtype)
+                    built[w] = packed_mask(layout.segments, layout.roles, layout.key_bounds, head_dim, h.dtype)
                 else:
-                    head_dim = head_dim_of(self.model)
                     built[w] = layout.split or tight_mask(layout.hidden_spans, h.shape[1], head_dim, h.dtype)
             else:
                 mask = layout.visible()

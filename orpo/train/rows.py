@@ -14,7 +14,7 @@ import mlx.core as mx
 import numpy as np
 
 from orpo.batching import ladder, pad_rows
-from orpo.engine.attention import CHOSEN, MAX_PAIRS_PER_ROW, PROMPT, REJECTED, SplitRows
+from orpo.engine.attention import CHOSEN, MAX_PAIRS_PER_ROW, PROMPT, REJECTED, SplitRows, packed_key_bounds
 from orpo.engine.stack import Layout
 from orpo.train.data import Pairs, pair_batch
 
@@ -251,7 +251,7 @@ def packed_rows(pairs: Pairs, per_row: list[int], width: int, multiple: int = 16
     index = [bases[i] + j for side in where for i, idx in enumerate(side) for j in idx]
     two_forward = blocks.two_forward_tokens()
     layout = Layout(mx.array(tokens), mx.array(positions), segments=mx.array(segments, mx.int32),
-                    roles=mx.array(roles))
+                    roles=mx.array(roles), key_bounds=mx.array(packed_key_bounds(segments, roles)))
     return _targets(layout, index, blocks.targets, blocks.counts(), multiple, two_forward - sum(blocks.shared),
                     two_forward, blocks.fallbacks, _prompt_targets(pairs, bases, nll_span))
 

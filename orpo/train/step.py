@@ -18,7 +18,7 @@ import numpy as np
 
 from orpo.batching import first_fit, ladder
 from orpo.device import on_cuda, on_gpu
-from orpo.engine.attention import MAX_PAIRS_PER_ROW, exclusion_fits, tight_attention_fits
+from orpo.engine.attention import MAX_PAIRS_PER_ROW, tight_attention_fits
 from orpo.engine.compiled import kept, layout_arrays, layout_from
 from orpo.engine.head import (LMHead, fused_logp_eager, lm_head_of, mean_logps_from_logits, response_mean_logps,
                               token_logp)
@@ -57,13 +57,14 @@ def resolve_engine(engine: EngineSettings) -> EngineSettings:
 def plan_packing(configured: EngineSettings, model: nn.Module, lengths: list[int], batch_size: int,
                  cuda: bool) -> dict[str, int]:
     """pack_width and pack_rows for the values `configured` leaves auto, from the pairs' block_lengths: on CUDA,
-    for pairs of differing lengths, where shared rows are built and the exclusion dims fit the head dim, rows of
-    the longest pair's positions on the width ladder, as many a micro-batch as hold about batch_size pairs of the
-    mean length; else off (pairs of one length already make one shape, attended split)."""
+    for pairs of differing lengths, where shared rows are built and attend fused (the exclusion dims or our
+    kernels), rows of the longest pair's positions on the width ladder, as many a micro-batch as hold about
+    batch_size pairs of the mean length; else off (pairs of one length already make one shape, attended split)."""
     e = resolve_engine(configured)
     width = e.pack_width
     if configured.pack_width == "auto":
-        fits = e.prefix_sharing is True and e.prefix_attention != "split" and exclusion_fits(head_dim_of(model), cuda)
+        fits = (e.prefix_sharing is True and e.prefix_attention != "split"
+                and tight_attention_fits(head_dim_of(model), activation_dtype(model), cuda))
         width = ladder(max(lengths), e.input_multiple or 16) if cuda and fits and len(set(lengths)) > 1 else 0
     rows = e.pack_rows
     if configured.pack_rows == "auto" and width:
@@ -102,11 +103,12 @@ def check_attention(model: nn.Module, engine: EngineSettings) -> None:
         return
     where = f"train.engine.pack_width {engine.pack_width}"
     if engine.prefix_sharing is not True or engine.prefix_attention == "split":
-        raise ValueError(f"{where}: packed rows are prefix-shared rows attended with the exclusion dims: set "
+        raise ValueError(f"{where}: packed rows are prefix-shared rows attended as one causal attention: set "
                          "prefix_sharing true (or auto) and prefix_attention auto or exclusion")
-    if not exclusion_fits(head_dim_of(model), on_cuda()):
-        raise ValueError(f"{where}: the exclusion dims take this model's head dim ({head_dim_of(model)}) past the "
-                         "one MLX's CUDA attention runs fused; set pack_width 0")
+    if not tight_rows_fit(model):
+        raise ValueError(f"{where}: rows of this model (head dim {head_dim_of(model)}, {activation_dtype(model)}) "
+                         "have no fused attention here (the exclusion dims pass the head dim MLX's CUDA attention "
+                         "takes, and our kernels take bfloat16/float16 up to 128); set pack_width 0")
     multiple = engine.input_multiple or 16
     if engine.pack_width % multiple:
         raise ValueError(f"{where}: not a multiple of the rows' width multiple {multiple}")

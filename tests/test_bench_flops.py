@@ -1,4 +1,5 @@
-"""The benchmarks' model-FLOPs count (MFU's numerator) against counts taken from a real model and explicit masks."""
+"""The benchmarks' model-FLOPs count (MFU's numerator) against counts taken from a real model and explicit masks, and
+kernel_times' reading of Nsight Compute's CSV."""
 
 import sys
 from pathlib import Path
@@ -63,3 +64,26 @@ def test_pair_flops_of_responses_of_their_own_lengths(method, shared):
     flops = want + SHAPE.pair_flops(3, 4, 2, method, shared)
     tokens = 2 * p + c + r + 2 * 3 + 4 + 2
     assert real_length_mfu(SHAPE, lengths, 1000.0, 2.0, method, shared) == pytest.approx(flops * 1000 / tokens / 2e12)
+
+
+def test_kernel_times_reads_ncus_csv_and_groups_kernels_by_kind():
+    """bench/kernel_times.py: launches read from Nsight Compute's CSV (details page: a row per kernel and metric,
+    units and thousands separators as ncu prints them), summed per kind against the wall time."""
+    from kernel_times import read_ncu_csv, summarize
+
+    header = '"ID","Process ID","Process Name","Host Name","Kernel Name","Context","Stream","Section Name",' \
+             '"Metric Name","Metric Unit","Metric Value"\n'
+    rows = [("nvjet_tst_192x192_64x4_2x1_v_bz_coopA_TNT", "nsecond", "1,500"),
+            ("orpo_flash_dkv_128_128", "usecond", "2.5"),
+            ("cudnn_generated_fort_native_sdpa_sm90", "nsecond", "700"),
+            ("nvjet_tst_192x192_64x4_2x1_v_bz_coopA_TNT", "nsecond", "500")]
+    text = "==PROF== Connected to process 1\n" + header + "".join(
+        f'"{i}","1","python3","h","{name}","1","7","Command line profiler metrics","gpu__time_duration.sum",'
+        f'"{unit}","{value}"\n' for i, (name, unit, value) in enumerate(rows))
+    launches = read_ncu_csv(text)
+    assert [round(t * 1e9) for _, t in launches] == [1500, 2500, 700, 500]
+    s = summarize(launches, wall_s=1e-5, top=2)
+    assert s["kernels"] == 4 and abs(s["kernel_s"] - 5.2e-6) < 1e-12 and abs(s["gpu_busy"] - 0.52) < 1e-9
+    assert {k: round(v["s"] * 1e9) for k, v in s["kinds"].items()} == {
+        "attention (the engine's kernels)": 2500, "matmul": 2000, "attention (cuDNN)": 700}
+    assert s["largest"][0]["name"].startswith("orpo_flash") and s["largest"][1]["calls"] == 2

@@ -74,6 +74,31 @@ def test_flash_backward_gives_the_same_bits_every_run():
             np.testing.assert_array_equal(a, np.array(b.astype(mx.float32)))
 
 
+def assert_bounded_attention_equals_float64(qkv32, bounds, keep, dtype, seed, name):
+    """Our kernels' forward and compiled gradients under key `bounds` in `dtype` equal numpy's float64 attention
+    under the mask `keep` to the dtype's rounding, and give the same bits again; returns the dtype's q, k, v and
+    numpy's output."""
+    from orpo.engine.attention import span_attention
+    q, k, v = qkv32
+    cot = mx.array(np.random.default_rng(seed).normal(size=q.shape).astype(np.float32))
+    half = [x.astype(dtype) for x in qkv32]
+
+    def loss(q, k, v):
+        return (span_attention(q, k, v, SCALE, bounds).astype(mx.float32) * cot).sum()
+
+    out = span_attention(*half, SCALE, bounds).astype(mx.float32)
+    want = numpy_attention(q, k, v, SCALE, mx.array(keep))
+    # inputs, P and the output rounded to the dtype: relative norms of about 1e-2 at most
+    assert np.linalg.norm(np.array(out) - want) / np.linalg.norm(want) < 2e-2, name
+    step = mx.compile(mx.grad(loss, argnums=(0, 1, 2)))
+    got = [np.array(x.astype(mx.float32)) for x in step(*half)]
+    for part, g, w in zip("qkv", got, numpy_attention_grads(q, k, v, SCALE, mx.array(keep), cot)):
+        assert np.linalg.norm(g - w) / np.linalg.norm(w) < 3e-2, (name, part)
+    for g, again in zip(got, step(*half)):
+        np.testing.assert_array_equal(g, np.array(again.astype(mx.float32)))
+    return half, want
+
+
 @pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16])
 def test_span_attention_equals_float64(dtype):
     """Forward and gradients under per-row hidden spans (rows differ, lengths off the tiles, GQA, head dims 64
@@ -83,24 +108,9 @@ def test_span_attention_equals_float64(dtype):
     for name, (b, h, kvh, length, d) in {"gqa-d64": (3, 8, 2, 200, 64), "d128": (2, 4, 1, 130, 128)}.items():
         q, k, v = qkv(b, h, kvh, length, d, seed=51)
         spans, keep = exclusion_case(b, length, 52)
-        spans = attention.row_bounds(spans, length)
-        cot = mx.array(np.random.default_rng(53).normal(size=q.shape).astype(np.float32))
-        half = [x.astype(dtype) for x in (q, k, v)]
-
-        def loss(q, k, v):
-            return (span_attention(q, k, v, SCALE, spans).astype(mx.float32) * cot).sum()
-
-        out = span_attention(*half, SCALE, spans).astype(mx.float32)
-        want = numpy_attention(q, k, v, SCALE, mx.array(keep))
-        # inputs, P and the output rounded to the dtype: relative norms of about 1e-2 at most
-        assert np.linalg.norm(np.array(out) - want) / np.linalg.norm(want) < 2e-2, name
+        bounds = attention.row_bounds(spans, length)
+        half, want = assert_bounded_attention_equals_float64((q, k, v), bounds, keep, dtype, 53, name)
         assert np.abs(numpy_attention(q, k, v, SCALE, "causal") - want).max() > 0.1  # the spans hide something
-        step = mx.compile(mx.grad(loss, argnums=(0, 1, 2)))
-        got = [np.array(x.astype(mx.float32)) for x in step(*half)]
-        for part, g, w in zip("qkv", got, numpy_attention_grads(q, k, v, SCALE, mx.array(keep), cot)):
-            assert np.linalg.norm(g - w) / np.linalg.norm(w) < 3e-2, (name, part)
-        for g, again in zip(got, step(*half)):
-            np.testing.assert_array_equal(g, np.array(again.astype(mx.float32)))
         nothing = span_attention(*half, SCALE, flash.no_bounds(b, length)).astype(mx.float32)
         causal = mx.fast.scaled_dot_product_attention(*half, scale=SCALE, mask="causal").astype(mx.float32)
         assert np.linalg.norm(np.array(nothing) - np.array(causal)) / np.linalg.norm(np.array(causal)) < 2e-2, name
@@ -137,25 +147,10 @@ def test_packed_rows_attend_within_their_pairs_as_float64(dtype):
     """Forward and gradients on packed rows' key bounds (several pairs a row, lengths off the tiles, GQA, head dims
     64 and 128) equal numpy's float64 attention under the pairs' block mask, with the blocks no row of a block sees
     skipped; the same bits again under mx.compile."""
-    from orpo.engine.attention import span_attention
     for name, (b, h, kvh, length, d) in {"gqa-d64": (2, 8, 2, 300, 64), "d128": (2, 4, 1, 260, 128)}.items():
         q, k, v = qkv(b, h, kvh, length, d, seed=61)
         bounds, keep = packed_attention_case(b, length, 62)
-        cot = mx.array(np.random.default_rng(63).normal(size=q.shape).astype(np.float32))
-        half = [x.astype(dtype) for x in (q, k, v)]
-
-        def loss(q, k, v):
-            return (span_attention(q, k, v, SCALE, bounds).astype(mx.float32) * cot).sum()
-
-        out = span_attention(*half, SCALE, bounds).astype(mx.float32)
-        want = numpy_attention(q, k, v, SCALE, mx.array(keep))
-        assert np.linalg.norm(np.array(out) - want) / np.linalg.norm(want) < 2e-2, name
-        step = mx.compile(mx.grad(loss, argnums=(0, 1, 2)))
-        got = [np.array(x.astype(mx.float32)) for x in step(*half)]
-        for part, g, w in zip("qkv", got, numpy_attention_grads(q, k, v, SCALE, mx.array(keep), cot)):
-            assert np.linalg.norm(g - w) / np.linalg.norm(w) < 3e-2, (name, part)
-        for g, again in zip(got, step(*half)):
-            np.testing.assert_array_equal(g, np.array(again.astype(mx.float32)))
+        assert_bounded_attention_equals_float64((q, k, v), bounds, keep, dtype, 63, name)
 
 
 def test_packed_rows_at_head_dim_128_give_each_pair_the_hidden_states_it_has_alone():

@@ -118,9 +118,9 @@ def _exclusion(flagged: mx.array, excluded: mx.array, segments: mx.array | None,
 
 
 def kernels_attend(head_dim: int, dtype: mx.Dtype) -> bool:
-    """Whether tight and packed rows attend through our kernels here: on CUDA where the exclusion dims do not keep
-    MLX's fused attention (where both run, the exclusion dims were as fast in the product, bench/README.md)."""
-    return not exclusion_fits(head_dim, on_cuda()) and spans_fit(head_dim, dtype)  # the exclusion fits off CUDA
+    """Whether tight and packed rows attend through our kernels here: on CUDA in bf16 and fp16, where they skip the
+    key blocks a query cannot see (the exclusion dims compute and discard them; bench/README.md)."""
+    return on_cuda() and spans_fit(head_dim, dtype)
 
 
 def tight_mask(spans: mx.array, length: int, head_dim: int, dtype: mx.Dtype) -> ExclusionMask | HiddenSpans:

@@ -16,19 +16,25 @@ def accumulate_grads(micro_step: MicroStep, n: int, shares: list[mx.array] | Non
 
     With equal-size micro-batches (the loss a mean over pairs) their mean gradient is the whole batch's. With
     `shares` (each micro-batch's part of the step's pairs, its loss already scaled by it) the sums are the step's
-    mean and the metrics are weighted by them. The sums are evaluated after every micro-batch, so its graph is
-    freed before the next is built, and only the sums dict holds them, so each addition reuses the old sum's
-    buffer: peak memory does not grow with `n`.
+    mean and the metrics are weighted by them. Micro-batch j's graph is built while j - 1 computes, and started
+    once j - 1 is done: the host's work overlaps the device's, yet one micro-batch's buffers are alive at a time.
+    Only the sums dict holds the running sums, so each addition reuses the old sum's buffer: peak memory does not
+    grow with `n`.
     """
     sums: dict[str, mx.array] = {}
     total_metrics: dict[str, mx.array] = {}
+    running = None  # the micro-batch computing: its gradients and metrics
     for j in range(n):
         grads = None  # `sums` alone references the running sums while the next micro-batch adds into them
         metrics, grads = micro_step(j, sums)
         if shares is not None:
             metrics = {k: v * shares[j] for k, v in metrics.items()}
         total_metrics = dict(metrics) if j == 0 else {k: total_metrics[k] + metrics[k] for k in total_metrics}
-        mx.eval(grads, total_metrics)
+        mx.eval(running)
+        running = None
+        mx.async_eval(grads, total_metrics)
+        running = (grads, total_metrics)
+    mx.eval(running)
     sums.clear()
     if shares is not None:
         return grads, total_metrics

@@ -2,11 +2,13 @@
 
 The step is the product's (orpo.train.session's Session.step: every micro-batch's forward and backward,
 accumulation, clipping and the update), on UltraFeedback-like pairs at a real geometry, under the run's memory
-policy as `orpo train` sets it. The child runs `--warm` steps, then `--steps` steps between cuProfilerStart and
-cuProfilerStop; Nsight Compute (`ncu --profile-from-start off`, one metric: gpu__time_duration) times each
-kernel launched in between. The same steps' wall time is measured in a run without ncu (CUDA graphs off in
-both: ncu then sees each kernel), so the table shows the kernels' sum against the wall: the rest is the GPU
-waiting on the host. Kernels are grouped by name into kinds (matmul, attention, ...), the largest listed.
+policy as `orpo train` sets it. The child runs `--warm` steps, then `--steps` steps under CUPTI's activity trace
+(torch's profiler, CUDA only: it records every kernel of the process, MLX's included, at its own duration,
+without serializing launches as Nsight Compute does: ncu's replay of 8 warm 1B steps and one profiled did not
+finish in 180 s on an H100). The same steps' wall time is measured in a run without the trace (CUDA graphs off in
+both: the trace then sees each kernel), so the table shows the kernels' sum against the wall: the rest is the GPU
+waiting on the host. Kernels are grouped by name into kinds (matmul, attention, ...), the largest listed, and the
+longest gaps between consecutive kernels are named by the kernels on either side.
 
     python3 bench/kernel_times.py --geometry h200 --pairs 512 --warm 12 --steps 2 --json $OUT/kernels.json
 """
@@ -14,10 +16,7 @@ waiting on the host. Kernels are grouped by name into kinds (matmul, attention, 
 from __future__ import annotations
 
 import argparse
-import csv
 import dataclasses
-import gzip
-import io
 import json
 import os
 import re
@@ -52,18 +51,6 @@ def kind_of(name: str) -> str:
     return "other"
 
 
-def profiler(start: bool) -> None:
-    import ctypes
-
-    try:
-        cuda = ctypes.CDLL("libcuda.so.1")
-    except OSError:  # no CUDA driver: nothing to profile (the child still times its steps)
-        return
-    rc = cuda.cuProfilerStart() if start else cuda.cuProfilerStop()
-    if rc:
-        print(f"cuProfiler{'Start' if start else 'Stop'}: {rc}", file=sys.stderr)
-
-
 def child(job: dict[str, Any]) -> None:
     """Warm steps, then the profiled steps; their wall times as JSON on the last line."""
     import mlx.core as mx
@@ -73,47 +60,54 @@ def child(job: dict[str, Any]) -> None:
     from orpo.train.trainer import bounded_memory
 
     sess = build_session(job["model"], job["rendered"], train_settings(job["settings"]))
+    trace = None
+    if job.get("trace"):
+        from torch.profiler import ProfilerActivity, profile
+
+        trace = profile(activities=[ProfilerActivity.CUDA])
     walls = []
     with bounded_memory(sess) as cache:
         for step in range(1, job["warm"] + job["steps"] + 1):
             if step == job["warm"] + 1:
                 mx.synchronize()
-                profiler(True)
+                if trace:
+                    trace.start()
             t0 = time.perf_counter()
             sess.step(step)
             mx.synchronize()
             walls.append(time.perf_counter() - t0)
             cache.update(step)
-        profiler(False)
+    if trace:
+        trace.stop()
+        trace.export_chrome_trace(job["trace"])
     print(json.dumps({"profiled_wall_s": walls[job["warm"]:], "engine": dataclasses.asdict(sess.engine)}))
 
 
-def summarize(rows: list[tuple[str, float]], wall_s: float, top: int) -> dict[str, Any]:
-    total = sum(t for _, t in rows)
+def summarize(rows: list[tuple[str, float, float]], wall_s: float, top: int) -> dict[str, Any]:
+    """Kernel time per kind and per name, and where the GPU sat idle between kernels (rows: name, start, seconds)."""
+    total = sum(t for _, _, t in rows)
     kinds: dict[str, float] = defaultdict(float)
     names: dict[str, list[float]] = defaultdict(list)
-    for name, t in rows:
+    for name, _, t in rows:
         kinds[kind_of(name)] += t
         names[name].append(t)
     largest = sorted(names.items(), key=lambda kv: -sum(kv[1]))[:top]
+    ordered = sorted(rows, key=lambda r: r[1])
+    gaps = [(b[1] - a[1] - a[2], a[0], b[0]) for a, b in zip(ordered, ordered[1:])]
     return {"kernels": len(rows), "kernel_s": total, "wall_s": wall_s, "gpu_busy": total / wall_s if wall_s else None,
+            "idle_s": sum(g for g, _, _ in gaps if g > 0), "idle_over_1ms_s": sum(g for g, _, _ in gaps if g > 1e-3),
             "kinds": {k: {"s": v, "share": v / total} for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])},
             "largest": [{"name": n[:160], "kind": kind_of(n), "calls": len(ts), "s": sum(ts),
-                         "mean_us": 1e6 * sum(ts) / len(ts)} for n, ts in largest]}
+                         "mean_us": 1e6 * sum(ts) / len(ts)} for n, ts in largest],
+            "longest_idle": [{"s": g, "after": a[:100], "before": b[:100]} for g, a, b in sorted(gaps)[::-1][:10]]}
 
 
-def read_ncu_csv(text: str) -> list[tuple[str, float]]:
-    """(kernel name, seconds) per launch from ncu's CSV (its details page: one row per kernel and metric)."""
-    start = text.find('"ID"')
-    rows = []
-    for r in csv.DictReader(io.StringIO(text[start:])):
-        if r.get("Metric Name") != "gpu__time_duration.sum":
-            continue
-        scale = {"nsecond": 1e-9, "ns": 1e-9, "usecond": 1e-6, "us": 1e-6, "msecond": 1e-3, "ms": 1e-3}.get(
-            r.get("Metric Unit", "nsecond"), 1e-9)
-        rows.append((r.get("Kernel Name") or r.get("Function Name") or "?",
-                     float(r["Metric Value"].replace(",", "")) * scale))
-    return rows
+def read_chrome_trace(text: str) -> list[tuple[str, float, float]]:
+    """(kernel name, start, duration) in seconds per launch from torch's profiler's Chrome trace (its events of
+    category "kernel", in us)."""
+    events = json.loads(text).get("traceEvents", [])
+    return [(e.get("name", "?"), float(e["ts"]) * 1e-6, float(e["dur"]) * 1e-6) for e in events
+            if e.get("cat") == "kernel" and "dur" in e]
 
 
 def main() -> None:
@@ -149,21 +143,22 @@ def main() -> None:
     if plain.returncode:
         sys.exit(f"the step failed: {plain.stderr[-2000:]}")
     timed = json.loads(plain.stdout.strip().splitlines()[-1])
-    report = work / "ncu.csv"
-    ncu = ["ncu", "--profile-from-start", "off", "--clock-control", "none", "--metrics", "gpu__time_duration.sum",
-           "--csv", "--print-units", "base", "--log-file", str(report), *me]
     t0 = time.perf_counter()
-    profiled = subprocess.run(ncu, capture_output=True, text=True, timeout=a.timeout, cwd=ROOT, env=env)
-    rows = read_ncu_csv(report.read_text()) if report.exists() else []
+    report = work / "trace.json"
+    traced = subprocess.run([*me[:-1], json.dumps({**job, "trace": str(report)})], capture_output=True, text=True,
+                            timeout=a.timeout, cwd=ROOT, env=env)
+    rows = read_chrome_trace(report.read_text()) if report.exists() else []
     if not rows:
-        sys.exit(f"ncu gave no kernels (exit {profiled.returncode}): {profiled.stderr[-2000:]}{profiled.stdout[-2000:]}")
+        sys.exit(f"the trace holds no kernels (exit {traced.returncode}): {traced.stderr[-2000:]}{traced.stdout[-2000:]}")
     result = {"geometry": a.geometry, "pairs": a.pairs, "warm": a.warm, "steps": a.steps, "engine": timed["engine"],
-              "ncu_s": time.perf_counter() - t0, **summarize(rows, sum(timed["profiled_wall_s"]), a.top)}
+              "trace_s": time.perf_counter() - t0,
+              "traced_wall_s": json.loads(traced.stdout.strip().splitlines()[-1])["profiled_wall_s"],
+              **summarize(rows, sum(timed["profiled_wall_s"]), a.top)}
     if a.json:
         Path(a.json).write_text(json.dumps(result, indent=1))
-        Path(a.json).with_suffix(".csv.gz").write_bytes(gzip.compress(report.read_bytes()))
     print(f"{a.geometry}, {a.steps} steps: wall {result['wall_s']:.3f} s (graphs off), kernels "
-          f"{result['kernel_s']:.3f} s in {result['kernels']} launches (GPU busy {result['gpu_busy']:.0%})")
+          f"{result['kernel_s']:.3f} s in {result['kernels']} launches (GPU busy {result['gpu_busy']:.0%}; idle "
+          f"{result['idle_s']:.3f} s between kernels, {result['idle_over_1ms_s']:.3f} s of it in gaps over 1 ms)")
     for k, v in result["kinds"].items():
         print(f"  {k:36s} {v['s']:8.3f} s  {v['share']:6.1%}")
     for x in result["largest"]:

@@ -1,5 +1,5 @@
 """The benchmarks' model-FLOPs count (MFU's numerator) against counts taken from a real model and explicit masks, and
-kernel_times' reading of Nsight Compute's CSV."""
+kernel_times' reading of the profiler's Chrome trace."""
 
 import sys
 from pathlib import Path
@@ -66,24 +66,31 @@ def test_pair_flops_of_responses_of_their_own_lengths(method, shared):
     assert real_length_mfu(SHAPE, lengths, 1000.0, 2.0, method, shared) == pytest.approx(flops * 1000 / tokens / 2e12)
 
 
-def test_kernel_times_reads_ncus_csv_and_groups_kernels_by_kind():
-    """bench/kernel_times.py: launches read from Nsight Compute's CSV (details page: a row per kernel and metric,
-    units and thousands separators as ncu prints them), summed per kind against the wall time."""
-    from kernel_times import read_ncu_csv, summarize
 
-    header = '"ID","Process ID","Process Name","Host Name","Kernel Name","Context","Stream","Section Name",' \
-             '"Metric Name","Metric Unit","Metric Value"\n'
-    rows = [("nvjet_tst_192x192_64x4_2x1_v_bz_coopA_TNT", "nsecond", "1,500"),
-            ("orpo_flash_dkv_128_128", "usecond", "2.5"),
-            ("cudnn_generated_fort_native_sdpa_sm90", "nsecond", "700"),
-            ("nvjet_tst_192x192_64x4_2x1_v_bz_coopA_TNT", "nsecond", "500")]
-    text = "==PROF== Connected to process 1\n" + header + "".join(
-        f'"{i}","1","python3","h","{name}","1","7","Command line profiler metrics","gpu__time_duration.sum",'
-        f'"{unit}","{value}"\n' for i, (name, unit, value) in enumerate(rows))
-    launches = read_ncu_csv(text)
-    assert [round(t * 1e9) for _, t in launches] == [1500, 2500, 700, 500]
-    s = summarize(launches, wall_s=1e-5, top=2)
-    assert s["kernels"] == 4 and abs(s["kernel_s"] - 5.2e-6) < 1e-12 and abs(s["gpu_busy"] - 0.52) < 1e-9
+def test_kernel_times_reads_the_profilers_chrome_trace():
+    """bench/kernel_times.py --tracer cupti: kernels read from torch's profiler's Chrome trace (durations in us), the
+    host-side events and the trace's other categories left out."""
+    import json
+
+    from kernel_times import read_chrome_trace, summarize
+
+    events = [{"ph": "X", "cat": "kernel", "name": "nvjet_sm90_tst_192x192_64x3_1x2_h_bz_coopB_NNN", "ts": 10.0,
+               "dur": 84.5},
+              {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 9.0, "dur": 3.0},
+              {"ph": "X", "cat": "kernel", "name": "mlx::core::cu::custom_kernel_orpo_flash_dq_64_64", "ts": 100.0,
+               "dur": 383.0},
+              {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy HtoD", "ts": 500.0, "dur": 7.0},
+              {"ph": "X", "cat": "kernel", "name": "cudnn_generated_fort_native_sdpa_sm90_flash_fprop", "ts": 510.0,
+               "dur": 145.5},
+              {"ph": "i", "cat": "kernel", "name": "marker", "ts": 600.0}]
+    launches = read_chrome_trace(json.dumps({"traceEvents": events, "deviceProperties": []}))
+    assert [(n[:8], round(t0 * 1e6), round(t * 1e9)) for n, t0, t in launches] == [
+        ("nvjet_sm", 10, 84500), ("mlx::cor", 100, 383000), ("cudnn_ge", 510, 145500)]
+    s = summarize(launches, wall_s=1e-3, top=1)
     assert {k: round(v["s"] * 1e9) for k, v in s["kinds"].items()} == {
-        "attention (the engine's kernels)": 2500, "matmul": 2000, "attention (cuDNN)": 700}
-    assert s["largest"][0]["name"].startswith("orpo_flash") and s["largest"][1]["calls"] == 2
+        "attention (the engine's kernels)": 383000, "attention (cuDNN)": 145500, "matmul": 84500}
+    assert s["kernels"] == 3 and abs(s["gpu_busy"] - 0.613) < 1e-9 and s["largest"][0]["name"].startswith("mlx::")
+    # idle between kernels: 100 - 94.5 = 5.5 us, then 510 - 483 = 27 us (the memcpy is not a kernel)
+    assert round(s["idle_s"] * 1e7) == 325 and s["idle_over_1ms_s"] == 0
+    assert [(round(g["s"] * 1e7), g["after"][:3], g["before"][:3]) for g in s["longest_idle"]] == [
+        (270, "mlx", "cud"), (55, "nvj", "mlx")]

@@ -262,10 +262,10 @@ def test_unsupported_model_is_refused_with_its_type():
 
 
 def test_tight_rows_only_where_their_attention_runs_fused(monkeypatch):
-    """On CUDA, MLX's fused attention takes head dims up to 128: the exclusion's 8 extra dims fit a head dim
-    of 64, not of 128, where our kernels take the tight rows as hidden spans (bf16/fp16 only). Where neither
-    fits, auto rows of pairs of their own lengths are the plain two-forward rows (nothing shared) and an explicit
-    exclusion is refused with the reason."""
+    """On CUDA our kernels take tight rows as hidden spans in bf16/fp16 at any head dim up to 128; in float32 the
+    exclusion dims do where their 8 extra dims still fit the 128 MLX's fused attention takes (a head dim of 64,
+    not of 128). Where neither fits, auto rows of pairs of their own lengths are the plain two-forward rows
+    (nothing shared) and an explicit exclusion is refused with the reason."""
     import orpo.train.step as objective
     from orpo.engine import attention
     from orpo.engine.attention import ExclusionMask, HiddenSpans, exclusion_fits
@@ -285,7 +285,9 @@ def test_tight_rows_only_where_their_attention_runs_fused(monkeypatch):
     assert not objective.tight_rows_fit(wide)  # float32: neither the exclusion dims nor our kernels
     h = mx.zeros((*tight.tokens.shape, 1), mx.bfloat16)
     assert all(isinstance(m, HiddenSpans) for m in Stack(wide_bf16).masks(tight, h))
-    assert all(isinstance(m, ExclusionMask) for m in Stack(tiny_model("llama")).masks(tight, h))
+    assert all(isinstance(m, HiddenSpans) for m in Stack(tiny_model("llama")).masks(tight, h))
+    h32 = h.astype(mx.float32)
+    assert all(isinstance(m, ExclusionMask) for m in Stack(tiny_model("llama")).masks(tight, h32))
     from orpo.train.settings import engine_settings
     e = objective.resolve_engine(engine_settings({"prefix_attention": "exclusion"}))
     with pytest.raises(ValueError, match="exclusion rows of this model \\(head dim 128, mlx.core.float32\\)"):

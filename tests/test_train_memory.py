@@ -98,7 +98,7 @@ def test_peak_memory_is_flat_in_the_number_of_micro_batches(tiny_base, tiny_rend
         assert p_naive > 1.3 * p1, (p1, p_naive)
 
 
-def test_segmented_accumulation_holds_one_set_of_gradients(tiny_base, tiny_rendered, tmp_path):
+def test_segmented_accumulation_holds_one_set_of_gradients(tiny_base, tiny_rendered, tmp_path, monkeypatch):
     """Full-parameter grad_accum through the segmented backward adds each segment's gradients into the running
     sums as it goes: 4 micro-batches peak under half a gradient set above 1 micro-batch (the sums stand in for
     the single batch's gradients; beside them a segment's), where adding each micro-batch's whole gradients (the
@@ -126,7 +126,7 @@ def test_segmented_accumulation_holds_one_set_of_gradients(tiny_base, tiny_rende
         mx.eval(sess.model.parameters())
         base = mx.get_active_memory()
         mx.reset_peak_memory()
-        out = accumulate_grads(micro, n)
+        out = accumulate_grads(micro, n, evaluating=[True] * n)  # as Session.run has it: every micro-batch segmented
         mx.eval(out)
         del out
         return mx.get_peak_memory() - base
@@ -135,6 +135,14 @@ def test_segmented_accumulation_holds_one_set_of_gradients(tiny_base, tiny_rende
         one, four, control = peak(into_sums, 1), peak(into_sums, 4), peak(whole_then_added, 4)
     assert four - one < 0.5 * grad_bytes, (one, four, control, grad_bytes)
     assert control - four > 0.6 * grad_bytes, (one, four, control, grad_bytes)
+    # Session.run says which micro-batches evaluate as they build (segmented: all of these)
+    import orpo.train.session as session
+
+    told = []
+    accumulate = session.accumulate_grads
+    monkeypatch.setattr(session, "accumulate_grads", lambda *a: told.append(a[3]) or accumulate(*a))
+    sess.run(1, batches).read()
+    assert told == [[True] * 4]
 
 
 def llama_folder(tiny_base: Path, out: Path, **geometry) -> Path:

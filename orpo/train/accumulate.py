@@ -11,7 +11,8 @@ from mlx.utils import tree_map
 MicroStep = Callable[[int, dict[str, mx.array]], tuple[dict[str, mx.array], Any]]
 
 
-def accumulate_grads(micro_step: MicroStep, n: int, shares: list[mx.array] | None = None) -> tuple[Any, dict[str, mx.array]]:
+def accumulate_grads(micro_step: MicroStep, n: int, shares: list[mx.array] | None = None,
+                     evaluating: list[bool] | None = None) -> tuple[Any, dict[str, mx.array]]:
     """Mean gradients and metrics of `micro_step(0..n-1)`, each adding its gradients into the running sums.
 
     With equal-size micro-batches (the loss a mean over pairs) their mean gradient is the whole batch's. With
@@ -19,12 +20,16 @@ def accumulate_grads(micro_step: MicroStep, n: int, shares: list[mx.array] | Non
     mean and the metrics are weighted by them. Micro-batch j's graph is built while j - 1 computes, and started
     once j - 1 is done: the host's work overlaps the device's, yet one micro-batch's buffers are alive at a time.
     Only the sums dict holds the running sums, so each addition reuses the old sum's buffer: peak memory does not
-    grow with `n`.
+    grow with `n`. `evaluating[j]`: micro_step(j) evaluates as it builds (the segmented backward adds into the
+    sums segment by segment), so j - 1 is waited for first, leaving the sums to it alone.
     """
     sums: dict[str, mx.array] = {}
     total_metrics: dict[str, mx.array] = {}
     running = None  # the micro-batch computing: its gradients and metrics
     for j in range(n):
+        if evaluating and evaluating[j]:
+            mx.eval(running)
+            running = None
         grads = None  # `sums` alone references the running sums while the next micro-batch adds into them
         metrics, grads = micro_step(j, sums)
         if shares is not None:

@@ -166,11 +166,12 @@ class Session:
 
             seen = len(self.signatures)
             shares = [b.packed.share for b in batches] if self.blocks else None
-            grads, metrics = accumulate_grads(micro, len(batches), shares)
+            segmented = [self.engine.segments_for(b.positions) > 0 for b in batches]
+            grads, metrics = accumulate_grads(micro, len(batches), shares, segmented)
             counts = {k: sum(getattr(b, k) for b in batches)
                       for k in ("scored", "row_tokens", "two_forward_tokens", "positions")}
             counts["new_shapes"] = len(self.signatures) - seen  # each a new trace of a compiled step
-            counts["segmented"] = sum(self.engine.segments_for(b.positions) > 0 for b in batches)
+            counts["segmented"] = sum(segmented)
             # Every rank gets the global batch's mean gradients and metrics: clipping sees the global norm.
             grads, metrics, counts = self.shard.reduce(grads, metrics, counts)
             grad_norm, lr = self.update_fn()(grads)

@@ -68,8 +68,8 @@ def test_pair_flops_of_responses_of_their_own_lengths(method, shared):
 
 
 def test_kernel_times_reads_the_profilers_chrome_trace():
-    """bench/kernel_times.py --tracer cupti: kernels read from torch's profiler's Chrome trace (durations in us), the
-    host-side events and the trace's other categories left out."""
+    """bench/kernel_times.py: kernels read from torch's profiler's Chrome trace (start and duration in us), the
+    host-side events and the trace's other categories left out; time per kind and the idle gaps between kernels."""
     import json
 
     from kernel_times import read_chrome_trace, summarize

@@ -1,8 +1,8 @@
 """How prefix-sharing rows attend (SplitRows, ExclusionMask, HiddenSpans), and an attention backward in a fixed order.
 
 SplitRows and ExclusionMask keep MLX's fused causal attention (cuDNN's forward and backward on CUDA) instead of a
-mask array; where the exclusion's extra head dims do not fit it, HiddenSpans runs our own kernels
-(orpo.engine.flash) on each query's key bounds. `ordered_attention` sums its gradients in a fixed order, for
+mask array; on CUDA in bf16/fp16, HiddenSpans runs our own kernels (orpo.engine.flash) on each query's key bounds
+instead of the exclusion's extra head dims, skipping the scores a query cannot see. `ordered_attention` sums its gradients in a fixed order, for
 replays that are bit-exact on CUDA.
 """
 

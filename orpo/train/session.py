@@ -39,7 +39,7 @@ from orpo.train.rows import block_lengths
 from orpo.train.settings import EngineSettings, Machine, ResolvedRun, TrainSettings
 from orpo.train.step import (MicroBatch, batch_value_and_grad, check_attention, pair_scores, prepare,
                              plan_packing, prepare_packed_step, reference_model, resolve_engine, row_lengths,
-                             tight_rows_fit)
+                             segmented, tight_rows_fit)
 
 
 class TrainingError(RuntimeError):
@@ -166,12 +166,12 @@ class Session:
 
             seen = len(self.signatures)
             shares = [b.packed.share for b in batches] if self.blocks else None
-            segmented = [self.engine.segments_for(b.positions) > 0 for b in batches]
-            grads, metrics = accumulate_grads(micro, len(batches), shares, segmented)
+            evaluating = [segmented(b, self.engine) for b in batches]
+            grads, metrics = accumulate_grads(micro, len(batches), shares, evaluating)
             counts = {k: sum(getattr(b, k) for b in batches)
                       for k in ("scored", "row_tokens", "two_forward_tokens", "positions")}
             counts["new_shapes"] = len(self.signatures) - seen  # each a new trace of a compiled step
-            counts["segmented"] = sum(segmented)
+            counts["segmented"] = sum(evaluating)
             # Every rank gets the global batch's mean gradients and metrics: clipping sees the global norm.
             grads, metrics, counts = self.shard.reduce(grads, metrics, counts)
             grad_norm, lr = self.update_fn()(grads)

@@ -290,6 +290,12 @@ def reference_logps(model: nn.Module, batch: MicroBatch, engine: EngineSettings,
 # --- loss -> gradients ---
 
 
+def segmented(batch: MicroBatch, engine: EngineSettings) -> bool:
+    """Whether `batch_value_and_grad` takes this micro-batch through the segmented backward, which evaluates as it
+    builds (segment by segment, into the running sums)."""
+    return engine.segments_for(batch.positions) > 0  # the plain path has no segments
+
+
 def batch_value_and_grad(model: nn.Module, batch: MicroBatch, loss: PairLoss | float, engine: EngineSettings,
                          into: dict[str, mx.array] | None = None,
                          reference: nn.Module | None = None) -> tuple[tuple[mx.array, dict[str, mx.array]], Any]:
@@ -307,7 +313,7 @@ def batch_value_and_grad(model: nn.Module, batch: MicroBatch, loss: PairLoss | f
                                                                             batch.plain_nll)
         return (value, {**metrics, "prefix_fallbacks": mx.array(0.0)}), grads if into is None else add_into(into, grads)
     packed = batch.packed
-    if engine.segments_for(batch.positions):  # adds into the running sums segment by segment
+    if segmented(batch, engine):  # adds into the running sums segment by segment
         (value, metrics), grads = _segmented(model, packed, loss, engine, into)
     else:
         if engine.compile:

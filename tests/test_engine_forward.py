@@ -157,3 +157,58 @@ def test_nothing_of_mlx_lm_is_replaced_while_the_engine_runs():
             np.testing.assert_allclose(np.array(g), np.array(w), rtol=20 * MATMUL_TOL, atol=20 * MATMUL_TOL,
                                        err_msg=name)
     assert len(calls) >= 4 * 3 and changed == []
+
+
+@pytest.mark.parametrize("dtype, tol", [(mx.float32, 1e-6), (mx.bfloat16, 2e-2)])
+def test_swiglu_value_and_gradients_equal_float64(dtype, tol):
+    """forward.swiglu against float64 numpy: silu(gate) * up and its gradients (d gate = c u s (1 + g (1 - s)),
+    d up = c g s, s = sigmoid(g)), errors relative to each result's largest magnitude; the forward is mlx-lm's
+    swiglu bit for bit (the same ops in the same order)."""
+    from mlx_lm.models.activations import swiglu as mlx_lm_swiglu
+
+    rng = np.random.default_rng(0)
+    gate, up, cot = (mx.array(rng.normal(size=(48, 80)) * 3).astype(dtype) for _ in range(3))
+    out, (d_gate, d_up) = mx.vjp(forward.swiglu, [gate, up], [cot])
+    out = out[0]
+    assert np.array_equal(np.array(out.astype(mx.float32)), np.array(mlx_lm_swiglu(gate, up).astype(mx.float32)))
+    g, u, c = (np.array(a.astype(mx.float32), dtype=np.float64) for a in (gate, up, cot))
+    s = 1 / (1 + np.exp(-g))
+    for got, want in ((out, g * s * u), (d_gate, c * u * s * (1 + g * (1 - s))), (d_up, c * g * s)):
+        assert got.dtype == dtype
+        err = np.abs(np.array(got.astype(mx.float32), dtype=np.float64) - want).max() / np.abs(want).max()
+        assert err < tol, err
+
+
+def test_swiglu_keeps_only_gate_and_up_for_the_backward():
+    """An MLP's value_and_grad through forward.swiglu peaks at least two [tokens, intermediate] arrays below the same
+    through mlx-lm's swiglu, whose autodiff keeps the sigmoid and both products; the engine's forward takes it for
+    Llama's MLP and leaves others (gemma's GELU) as they are."""
+    from mlx_lm.models.activations import swiglu as mlx_lm_swiglu
+
+    tokens, hidden, inter = 1024, 64, 2048
+    rng = np.random.default_rng(1)
+    x, w_gate, w_up, w_down, lora_a = (mx.array(rng.normal(size=s) * 0.05, mx.float32) for s in (
+        (tokens, hidden), (inter, hidden), (inter, hidden), (hidden, inter), (8, inter)))
+    mx.eval(x, w_gate, w_up, w_down, lora_a)
+
+    def peak(act):
+        def loss(x, a):  # a LoRA A on the down projection: its gradient needs the activation's output
+            z = act(x @ w_gate.T, x @ w_up.T)
+            return ((z @ w_down.T).square().sum() + (z @ a.T).square().sum())
+
+        step = mx.value_and_grad(loss, argnums=(0, 1))
+        mx.eval(step(x, lora_a))
+        mx.reset_peak_memory()
+        base = mx.get_active_memory()
+        value, grads = step(x, lora_a)
+        mx.eval(value, grads)
+        return mx.get_peak_memory() - base, value.item(), grads
+
+    theirs, ours = peak(mlx_lm_swiglu), peak(forward.swiglu)
+    assert ours[1] == pytest.approx(theirs[1], rel=1e-6)
+    for a, b in zip(ours[2], theirs[2]):
+        assert np.allclose(np.array(a), np.array(b), rtol=1e-4, atol=1e-6)
+    assert theirs[0] - ours[0] >= 2 * tokens * inter * 4, (theirs[0], ours[0])
+    llama_mlp = tiny_model("llama").model.layers[0].mlp
+    gemma_mlp = tiny_model("gemma").model.layers[0].mlp
+    assert forward.mlp_of(llama_mlp) is not llama_mlp and forward.mlp_of(gemma_mlp) is gemma_mlp

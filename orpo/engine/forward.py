@@ -13,12 +13,12 @@ import importlib.metadata
 import operator
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import lru_cache, partial
 from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models import gemma3_text
+from mlx_lm.models import gemma3_text, llama, qwen2, qwen3
 from packaging.specifiers import SpecifierSet
 
 from orpo.device import on_cuda
@@ -246,6 +246,41 @@ def attention(family: Family, attn: nn.Module, x: mx.array, mask: Any, positions
     return attn.o_proj(out.transpose(0, 2, 1, 3).reshape(b, length, -1))
 
 
+@partial(mx.compile, shapeless=True)
+def _swiglu(gate: mx.array, up: mx.array) -> mx.array:
+    return nn.silu(gate) * up  # mlx-lm's ops in its order: the same bits forward
+
+
+@partial(mx.compile, shapeless=True)
+def _swiglu_backward(gate: mx.array, up: mx.array, cotangent: mx.array) -> tuple[mx.array, mx.array]:
+    g, u, c = (a.astype(mx.float32) for a in (gate, up, cotangent))
+    s = mx.sigmoid(g)
+    return (c * u * s * (1 + g * (1 - s))).astype(gate.dtype), (c * g * s).astype(up.dtype)
+
+
+@mx.custom_function
+def swiglu(gate: mx.array, up: mx.array) -> mx.array:
+    """silu(gate) * up whose backward keeps only gate and up: one elementwise kernel each way, where autodiff of
+    the composition keeps the sigmoid and both products too (three more [tokens, intermediate] arrays a layer)."""
+    return _swiglu(gate, up)
+
+
+@swiglu.vjp
+def _swiglu_vjp(primals: list[mx.array], cotangent: mx.array, output: mx.array) -> tuple[mx.array, mx.array]:
+    return _swiglu_backward(*primals, cotangent)
+
+
+# mlx-lm MLPs computing down_proj(swiglu(gate_proj(x), up_proj(x))): the forward runs them through `swiglu`.
+SWIGLU_MLPS = (llama.MLP, qwen2.MLP, qwen3.MLP)
+
+
+def mlp_of(mlp: nn.Module) -> Callable[[mx.array], mx.array]:
+    """The layer's MLP as the engine calls it: SwiGLU MLPs through `swiglu`, any other as it is."""
+    if type(mlp) in SWIGLU_MLPS:
+        return lambda x: mlp.down_proj(swiglu(mlp.gate_proj(x), mlp.up_proj(x)))
+    return mlp
+
+
 def decoder_layer(family: Family, layer: nn.Module, x: mx.array, mask: Any, positions: mx.array | None,
                   mlp: Callable[[mx.array], mx.array], ordered: bool = False) -> mx.array:
     """One decoder layer of x [B, L, H]: attention under `mask` at `positions` (`ordered`: as `attend` takes it),
@@ -266,5 +301,5 @@ def run_layers(family: Family, layers: Sequence[nn.Module], h: mx.array, masks: 
     """`layers` in order on h, layer i under masks[i] and mlps[i] (else its own mlp); positions [B, L] or None."""
     flat = None if positions is None else positions.reshape(-1)
     for i, layer in enumerate(layers):
-        h = decoder_layer(family, layer, h, masks[i], flat, layer.mlp if mlps is None else mlps[i], ordered)
+        h = decoder_layer(family, layer, h, masks[i], flat, mlp_of(layer.mlp) if mlps is None else mlps[i], ordered)
     return h

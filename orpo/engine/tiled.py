@@ -12,6 +12,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
+from orpo.engine.forward import mlp_of
 from orpo.engine.queue import after
 from orpo.engine.stack import trainables_replaced
 
@@ -19,13 +20,15 @@ from orpo.engine.stack import trainables_replaced
 def tiled_mlp(mlp: nn.Module, chunks: int) -> Callable[[mx.array], mx.array]:
     """x -> mlp(x), differentiated in `chunks` token chunks, each after the previous: the layer's MLP's stand-in."""
 
+    call = mlp_of(mlp)
+
     def run(x: mx.array, params: tuple[mx.array, ...]) -> mx.array:
         with trainables_replaced([mlp], params):
-            return mlp(x)
+            return call(x)
 
     @mx.custom_function
     def tiled(x: mx.array, *params: mx.array) -> mx.array:
-        return mlp(x)  # params are the MLP's own arrays: inputs only for the vjp
+        return call(x)  # params are the MLP's own arrays: inputs only for the vjp
 
     @tiled.vjp
     def tiled_backward(primals, cotangent, output):

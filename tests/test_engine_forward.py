@@ -181,7 +181,7 @@ def test_swiglu_value_and_gradients_equal_float64(dtype, tol):
 
 def test_swiglu_keeps_only_gate_and_up_for_the_backward():
     """An MLP's value_and_grad through forward.swiglu peaks at least two [tokens, intermediate] arrays below the same
-    through mlx-lm's swiglu, whose autodiff keeps the sigmoid and both products; the engine's forward takes it for
+    through mlx-lm's swiglu, whose autodiff keeps the sigmoid and silu(gate) too; the engine's forward takes it for
     Llama's MLP and leaves others (gemma's GELU) as they are."""
     from mlx_lm.models.activations import swiglu as mlx_lm_swiglu
 

@@ -261,7 +261,7 @@ def _swiglu_backward(gate: mx.array, up: mx.array, cotangent: mx.array) -> tuple
 @mx.custom_function
 def swiglu(gate: mx.array, up: mx.array) -> mx.array:
     """silu(gate) * up whose backward keeps only gate and up: one elementwise kernel each way, where autodiff of
-    the composition keeps the sigmoid and both products too (three more [tokens, intermediate] arrays a layer)."""
+    the composition keeps the sigmoid and silu(gate) too (two more [tokens, intermediate] arrays a layer)."""
     return _swiglu(gate, up)
 
 

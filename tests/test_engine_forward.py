@@ -4,6 +4,7 @@ Oracle: mlx-lm's own model forward (`model.model(tokens)` bit for bit on plain r
 within float32 matmul tolerance), for every supported family.
 """
 
+import math
 import re
 import tomllib
 from pathlib import Path
@@ -159,21 +160,36 @@ def test_nothing_of_mlx_lm_is_replaced_while_the_engine_runs():
     assert len(calls) >= 4 * 3 and changed == []
 
 
-@pytest.mark.parametrize("dtype, tol", [(mx.float32, 1e-6), (mx.bfloat16, 2e-2)])
-def test_swiglu_value_and_gradients_equal_float64(dtype, tol):
-    """forward.swiglu against float64 numpy: silu(gate) * up and its gradients (d gate = c u s (1 + g (1 - s)),
-    d up = c g s, s = sigmoid(g)), errors relative to each result's largest magnitude; the forward is mlx-lm's
-    swiglu bit for bit (the same ops in the same order)."""
-    from mlx_lm.models.activations import swiglu as mlx_lm_swiglu
+def _erf(x):
+    return np.vectorize(math.erf)(x)
 
+
+GATED = {  # activation, its float64 value and derivative
+    "swiglu": (forward.swiglu, nn.silu, lambda g: g / (1 + np.exp(-g)),
+               lambda g: (s := 1 / (1 + np.exp(-g))) * (1 + g * (1 - s))),
+    "geglu": (forward.geglu, nn.gelu, lambda g: g * (1 + _erf(g / np.sqrt(2))) / 2,
+              lambda g: (1 + _erf(g / np.sqrt(2))) / 2 + g * np.exp(-g * g / 2) / np.sqrt(2 * np.pi)),
+    "geglu_approx": (forward.geglu_approx, nn.gelu_approx,
+                     lambda g: 0.5 * g * (1 + np.tanh(np.sqrt(2 / np.pi) * (g + 0.044715 * g**3))),
+                     None),  # its derivative: central differences of the value, in float64
+}
+
+
+@pytest.mark.parametrize("name", GATED)
+@pytest.mark.parametrize("dtype, tol", [(mx.float32, 1e-6), (mx.bfloat16, 2e-2)])
+def test_gated_activation_value_and_gradients_equal_float64(name, dtype, tol):
+    """forward.gated's activations against float64 numpy: act(gate) * up and its gradients (d gate = c up act'(g),
+    d up = c act(g)), errors relative to each result's largest magnitude; the forward is mlx-lm's act(gate) * up
+    bit for bit (the same ops in the same order)."""
+    activation, act, value, grad = GATED[name]
     rng = np.random.default_rng(0)
     gate, up, cot = (mx.array(rng.normal(size=(48, 80)) * 3).astype(dtype) for _ in range(3))
-    out, (d_gate, d_up) = mx.vjp(forward.swiglu, [gate, up], [cot])
+    out, (d_gate, d_up) = mx.vjp(activation, [gate, up], [cot])
     out = out[0]
-    assert np.array_equal(np.array(out.astype(mx.float32)), np.array(mlx_lm_swiglu(gate, up).astype(mx.float32)))
+    assert np.array_equal(np.array(out.astype(mx.float32)), np.array((act(gate) * up).astype(mx.float32)))
     g, u, c = (np.array(a.astype(mx.float32), dtype=np.float64) for a in (gate, up, cot))
-    s = 1 / (1 + np.exp(-g))
-    for got, want in ((out, g * s * u), (d_gate, c * u * s * (1 + g * (1 - s))), (d_up, c * g * s)):
+    derivative = grad(g) if grad else (value(g + 1e-6) - value(g - 1e-6)) / 2e-6
+    for got, want in ((out, value(g) * u), (d_gate, c * u * derivative), (d_up, c * value(g))):
         assert got.dtype == dtype
         err = np.abs(np.array(got.astype(mx.float32), dtype=np.float64) - want).max() / np.abs(want).max()
         assert err < tol, err
@@ -181,8 +197,8 @@ def test_swiglu_value_and_gradients_equal_float64(dtype, tol):
 
 def test_swiglu_keeps_only_gate_and_up_for_the_backward():
     """An MLP's value_and_grad through forward.swiglu peaks at least two [tokens, intermediate] arrays below the same
-    through mlx-lm's swiglu, whose autodiff keeps the sigmoid and silu(gate) too; the engine's forward takes it for
-    Llama's MLP and leaves others (gemma's GELU) as they are."""
+    through mlx-lm's swiglu, whose autodiff keeps the sigmoid and silu(gate) too; the engine's forward takes a gated
+    activation for each supported family's MLP and leaves any other module as it is."""
     from mlx_lm.models.activations import swiglu as mlx_lm_swiglu
 
     tokens, hidden, inter = 1024, 64, 2048
@@ -209,6 +225,8 @@ def test_swiglu_keeps_only_gate_and_up_for_the_backward():
     for a, b in zip(ours[2], theirs[2]):
         assert np.allclose(np.array(a), np.array(b), rtol=1e-4, atol=1e-6)
     assert theirs[0] - ours[0] >= 2 * tokens * inter * 4, (theirs[0], ours[0])
-    llama_mlp = tiny_model("llama").model.layers[0].mlp
-    gemma_mlp = tiny_model("gemma").model.layers[0].mlp
-    assert forward.mlp_of(llama_mlp) is not llama_mlp and forward.mlp_of(gemma_mlp) is gemma_mlp
+    for family in forward.FAMILIES:  # every supported family's MLP is gated: each through its activation
+        mlp = tiny_model(family).model.layers[0].mlp
+        assert forward.mlp_of(mlp) is not mlp and type(mlp) in forward.GATED_MLPS
+    linear = nn.Linear(4, 4)
+    assert forward.mlp_of(linear) is linear

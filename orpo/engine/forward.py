@@ -10,20 +10,20 @@ a model lacking what is called here.
 from __future__ import annotations
 
 import importlib.metadata
-import math
 import operator
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from functools import lru_cache, partial
+from functools import lru_cache
 from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models import gemma, gemma2, gemma3_text, llama, qwen2, qwen3
+from mlx_lm.models import gemma3_text
 from packaging.specifiers import SpecifierSet
 
 from orpo.device import on_cuda
 from orpo.engine.attention import attend
+from orpo.engine.mlp import mlp_of
 
 # The mlx-lm versions whose layers this module mirrors (the same range as pyproject's pin).
 MLX_LM_TESTED = ">=0.32.2,<0.33"
@@ -245,60 +245,6 @@ def attention(family: Family, attn: nn.Module, x: mx.array, mask: Any, positions
     else:
         out = attend(queries, keys, values, attn.scale, mask, ordered)
     return attn.o_proj(out.transpose(0, 2, 1, 3).reshape(b, length, -1))
-
-
-def gated(act: Callable[[mx.array], mx.array], act_grad: Callable[[mx.array], mx.array]) -> Callable:
-    """act(gate) * up whose backward keeps only gate and up: one elementwise kernel each way (the forward mlx-lm's
-    ops in its order, the backward in float32 from `act_grad`, act's derivative), where autodiff of the
-    composition keeps act's inner values and act(gate) too (two more [tokens, intermediate] arrays a layer)."""
-    forward = mx.compile(lambda gate, up: act(gate) * up, shapeless=True)
-
-    @partial(mx.compile, shapeless=True)
-    def backward(gate: mx.array, up: mx.array, cotangent: mx.array) -> tuple[mx.array, mx.array]:
-        g, u, c = (a.astype(mx.float32) for a in (gate, up, cotangent))
-        return (c * u * act_grad(g)).astype(gate.dtype), (c * act(g)).astype(up.dtype)
-
-    @mx.custom_function
-    def activation(gate: mx.array, up: mx.array) -> mx.array:
-        return forward(gate, up)
-
-    @activation.vjp
-    def activation_vjp(primals: list[mx.array], cotangent: mx.array, output: mx.array) -> tuple[mx.array, mx.array]:
-        return backward(*primals, cotangent)
-
-    return activation
-
-
-def _silu_grad(g: mx.array) -> mx.array:
-    s = mx.sigmoid(g)
-    return s * (1 + g * (1 - s))
-
-
-def _gelu_grad(g: mx.array) -> mx.array:
-    return (1 + mx.erf(g / math.sqrt(2))) / 2 + g * mx.exp(-g * g / 2) / math.sqrt(2 * math.pi)
-
-
-def _gelu_approx_grad(g: mx.array) -> mx.array:
-    k = math.sqrt(2 / math.pi)
-    t = mx.tanh(k * (g + 0.044715 * g**3))
-    return 0.5 * (1 + t) + 0.5 * g * (1 - t * t) * k * (1 + 3 * 0.044715 * g * g)
-
-
-swiglu = gated(nn.silu, _silu_grad)
-geglu = gated(nn.gelu, _gelu_grad)
-geglu_approx = gated(nn.gelu_approx, _gelu_approx_grad)
-# mlx-lm MLPs computing down_proj(act(gate_proj(x)) * up_proj(x)), and their activation with its own backward.
-GATED_MLPS = {llama.MLP: swiglu, qwen2.MLP: swiglu, qwen3.MLP: swiglu, gemma.MLP: geglu, gemma2.MLP: geglu_approx,
-              gemma3_text.MLP: geglu_approx}
-
-
-def mlp_of(mlp: nn.Module) -> Callable[[mx.array], mx.array]:
-    """The layer's MLP as the engine calls it: a gated MLP of mlx-lm's through its `gated` activation, any other
-    as it is."""
-    activation = GATED_MLPS.get(type(mlp))
-    if activation is None:
-        return mlp
-    return lambda x: mlp.down_proj(activation(mlp.gate_proj(x), mlp.up_proj(x)))
 
 
 def decoder_layer(family: Family, layer: nn.Module, x: mx.array, mask: Any, positions: mx.array | None,

@@ -17,7 +17,8 @@ from mlx.utils import tree_flatten, tree_map_with_path, tree_unflatten
 
 from orpo.engine.compiled import kept, layout_arrays, mask_arrays, masks_from
 from orpo.engine.queue import EvalQueue
-from orpo.engine.stack import Layout, Stack, trainables_replaced
+from orpo.engine.params import trainables_replaced
+from orpo.engine.stack import Layout, Stack
 from orpo.engine.tiled import tiled_mlps
 
 HeadLoss = Callable[[mx.array], tuple[mx.array, dict[str, mx.array]]]

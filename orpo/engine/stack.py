@@ -7,15 +7,12 @@ rejected's tokens may not see (docs/architecture.md).
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.models.base import create_attention_mask
 
 from orpo.engine.attention import CHOSEN, REJECTED, SplitRows, packed_mask, tight_mask
@@ -70,29 +67,6 @@ class Layout:
         first, end = self.hidden_spans[:, :1], self.hidden_spans[:, 1:]
         restricted, hidden = pos >= end, (pos >= first) & (pos < end)
         return causal & ~(restricted[:, :, None] & hidden[:, None, :])
-
-
-# Held while arrays are substituted into modules: two threads interleaving on shared modules would restore
-# each other's traced arrays as the originals.
-_SUBSTITUTING = threading.RLock()
-
-
-@contextmanager
-def trainables_replaced(modules: Sequence[nn.Module], arrays: Sequence[mx.array]) -> Iterator[None]:
-    """While inside, the modules' trainable arrays are `arrays` (tree_flatten order, module by module), for tracing a
-    function of the parameters (mx.vjp); restored after."""
-    with _SUBSTITUTING:
-        saved = [tree_flatten(m.trainable_parameters()) for m in modules]
-        it = iter(arrays)
-        try:
-            for m, items in zip(modules, saved):
-                if items:
-                    m.update(tree_unflatten([(k, next(it)) for k, _ in items]))
-            yield
-        finally:
-            for m, items in zip(modules, saved):
-                if items:
-                    m.update(tree_unflatten(items))
 
 
 class Stack:

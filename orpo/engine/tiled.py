@@ -12,9 +12,9 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from orpo.engine.forward import mlp_of
+from orpo.engine.mlp import mlp_of
+from orpo.engine.params import trainables_of, trainables_replaced
 from orpo.engine.queue import after
-from orpo.engine.stack import trainables_replaced
 
 
 def tiled_mlp(mlp: nn.Module, chunks: int) -> Callable[[mx.array], mx.array]:
@@ -45,7 +45,7 @@ def tiled_mlp(mlp: nn.Module, chunks: int) -> Callable[[mx.array], mx.array]:
             dparams = [a + g for a, g in zip(dparams, grads[1:])]
         return (mx.concatenate(dx).reshape(shape), *dparams)
 
-    return lambda x: tiled(x, *(v for _, v in tree_flatten(mlp.trainable_parameters())))
+    return lambda x: tiled(x, *trainables_of([mlp]))
 
 
 def tiled_mlps(layers: Sequence[nn.Module], chunks: int) -> list[Callable[[mx.array], mx.array]] | None:

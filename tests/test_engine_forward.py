@@ -18,7 +18,7 @@ from mlx_lm.models import base, llama
 from mlx_lm.tuner.utils import linear_to_lora_layers
 from test_engine_stack import VARIANTS, random_pairs, tiny_model
 
-from conftest import MATMUL_TOL
+from conftest import MATMUL_TOL, ON_GPU
 from orpo.engine import forward
 from orpo.engine import mlp as mlp_module
 from orpo.engine.forward import (FAMILIES, MLX_LM_TESTED, UnsupportedModel, check_mlx_lm, missing_parts,
@@ -187,7 +187,11 @@ def test_gated_activation_value_and_gradients_equal_float64(name, dtype, tol):
     gate, up, cot = (mx.array(rng.normal(size=(48, 80)) * 3).astype(dtype) for _ in range(3))
     out = activation.forward(gate, up)
     d_gate, d_up = activation.backward(gate, up, cot)
-    assert np.array_equal(np.array(out.astype(mx.float32)), np.array((act(gate) * up).astype(mx.float32)))
+    theirs = np.array((act(gate) * up).astype(mx.float32))
+    if ON_GPU and name == "geglu_approx":  # a GPU's fused kernel contracts the tanh argument's products into FMAs
+        assert np.abs(np.array(out.astype(mx.float32)) - theirs).max() <= tol * np.abs(theirs).max()
+    else:
+        assert np.array_equal(np.array(out.astype(mx.float32)), theirs)
     g, u, c = (np.array(a.astype(mx.float32), dtype=np.float64) for a in (gate, up, cot))
     derivative = grad(g) if grad else (value(g + 1e-6) - value(g - 1e-6)) / 2e-6
     for got, want in ((out, value(g) * u), (d_gate, c * u * derivative), (d_up, c * value(g))):
@@ -232,9 +236,10 @@ def test_gated_mlps_keep_gate_and_up_alone_for_the_backward():
         return (mx.get_peak_memory() - base) / (tokens * inter * 4), value.item(), tree_flatten(grads)
 
     theirs, ours = run(2, False), run(2, True)
-    assert ours[1] == pytest.approx(theirs[1], rel=1e-5)
+    assert ours[1] == pytest.approx(theirs[1], rel=MATMUL_TOL)
+    tol = 2e-3 if ON_GPU else 1e-5  # a GPU's float32 products round their inputs to tf32, in another order here
     for (name, a), (_, b) in zip(theirs[2], ours[2]):
-        assert np.allclose(np.array(a), np.array(b), rtol=1e-4, atol=1e-5 * float(mx.abs(a).max())), name
+        assert np.allclose(np.array(a), np.array(b), rtol=10 * tol, atol=tol * float(mx.abs(a).max())), name
     per_layer = {o: (run(6, o)[0] - run(2, o)[0]) / 4 for o in (False, True)}
     assert per_layer[False] - per_layer[True] >= 1.5, per_layer
     for family in FAMILIES:

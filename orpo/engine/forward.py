@@ -23,7 +23,6 @@ from packaging.specifiers import SpecifierSet
 
 from orpo.device import on_cuda
 from orpo.engine.attention import attend
-from orpo.engine.mlp import mlp_of
 
 # The mlx-lm versions whose layers this module mirrors (the same range as pyproject's pin).
 MLX_LM_TESTED = ">=0.32.2,<0.33"
@@ -267,5 +266,5 @@ def run_layers(family: Family, layers: Sequence[nn.Module], h: mx.array, masks: 
     """`layers` in order on h, layer i under masks[i] and mlps[i] (else its own mlp); positions [B, L] or None."""
     flat = None if positions is None else positions.reshape(-1)
     for i, layer in enumerate(layers):
-        h = decoder_layer(family, layer, h, masks[i], flat, mlp_of(layer.mlp) if mlps is None else mlps[i], ordered)
+        h = decoder_layer(family, layer, h, masks[i], flat, layer.mlp if mlps is None else mlps[i], ordered)
     return h

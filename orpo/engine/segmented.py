@@ -109,7 +109,7 @@ def _segment(stack: Stack, a: int, b: int, what: str, mlp_chunks: int = 1) -> Ca
 
         def segment(h0: mx.array, *params: mx.array) -> list[mx.array]:
             with trainables_replaced(layers, params):
-                return [stack.run(h0, masks, a, b, positions, tiled_mlps(layers, mlp_chunks))]
+                return [stack.run(h0, masks, a, b, positions, tiled_mlps(layers, mlp_chunks, stack.gated))]
 
         _, vjps = mx.vjp(segment, [h_in, *arrays], [cot])
         return vjps
@@ -124,7 +124,7 @@ def _compiled_segment(stack: Stack, layout: Layout, a: int, b: int, what: str, m
     def call(*args: Any) -> Any:
         *lead, masks, positions = args
         spec, arrays = mask_arrays(masks[a:b])
-        key = ("segment", what, a, b, spec, layout_arrays(layout)[0], mlp_chunks)
+        key = ("segment", what, a, b, spec, layout_arrays(layout)[0], mlp_chunks, stack.gated)
 
         def build() -> Callable:
             inner = _segment(stack, a, b, what, mlp_chunks)

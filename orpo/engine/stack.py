@@ -17,6 +17,7 @@ from mlx_lm.models.base import create_attention_mask
 
 from orpo.engine.attention import CHOSEN, REJECTED, SplitRows, packed_mask, tight_mask
 from orpo.engine.forward import FAMILIES, check_mlx_lm, check_parts, family_of, run_layers
+from orpo.engine.mlp import mlp_of
 
 
 def head_dim_of(model: nn.Module) -> int:
@@ -71,15 +72,17 @@ class Layout:
 
 class Stack:
     """The parts of one mlx-lm model: embed, run layers a..b with chosen masks and positions, final norm;
-    `ordered`: attention differentiated in a fixed order (orpo.engine.attention.ordered_attention)."""
+    `ordered`: attention differentiated in a fixed order (orpo.engine.attention.ordered_attention); `gated`: gated
+    MLPs keep gate and up alone for the backward (orpo.engine.mlp)."""
 
-    def __init__(self, model: nn.Module, ordered: bool = False):
+    def __init__(self, model: nn.Module, ordered: bool = False, gated: bool = False):
         check_mlx_lm()
         self.family = family_of(model)
         check_parts(model, self.family)
         self.layer_family = FAMILIES[self.family]
         self.model = model
         self.ordered = ordered
+        self.gated = gated
         self.inner = model.model
         self.layers = list(self.inner.layers)
         self.windows = self._windows()
@@ -135,6 +138,8 @@ class Stack:
     def run(self, h: mx.array, masks: Sequence[Any], start: int, stop: int, positions: mx.array | None = None,
             mlps: Sequence[Callable[[mx.array], mx.array]] | None = None) -> mx.array:
         """Layers start..stop-1 on h: masks[i] for layer i, RoPE at `positions`, mlps[i - start] for its MLP."""
+        if mlps is None and self.gated:
+            mlps = [mlp_of(layer.mlp) for layer in self.layers[start:stop]]
         return run_layers(self.layer_family, self.layers[start:stop], h, masks[start:stop], positions, mlps,
                           self.ordered)
 

@@ -17,10 +17,11 @@ from orpo.engine.params import trainables_of, trainables_replaced
 from orpo.engine.queue import after
 
 
-def tiled_mlp(mlp: nn.Module, chunks: int) -> Callable[[mx.array], mx.array]:
-    """x -> mlp(x), differentiated in `chunks` token chunks, each after the previous: the layer's MLP's stand-in."""
+def tiled_mlp(mlp: nn.Module, chunks: int, gated: bool = False) -> Callable[[mx.array], mx.array]:
+    """x -> mlp(x), differentiated in `chunks` token chunks, each after the previous: the layer's MLP's stand-in;
+    `gated`: through mlp.mlp_of."""
 
-    call = mlp_of(mlp)
+    call = mlp_of(mlp) if gated else mlp
 
     def run(x: mx.array, params: tuple[mx.array, ...]) -> mx.array:
         with trainables_replaced([mlp], params):
@@ -48,6 +49,7 @@ def tiled_mlp(mlp: nn.Module, chunks: int) -> Callable[[mx.array], mx.array]:
     return lambda x: tiled(x, *trainables_of([mlp]))
 
 
-def tiled_mlps(layers: Sequence[nn.Module], chunks: int) -> list[Callable[[mx.array], mx.array]] | None:
-    """Each layer's MLP as `tiled_mlp` for the engine's forward to call (chunks <= 1: None, their own MLPs)."""
-    return None if chunks <= 1 else [tiled_mlp(layer.mlp, chunks) for layer in layers]
+def tiled_mlps(layers: Sequence[nn.Module], chunks: int,
+               gated: bool = False) -> list[Callable[[mx.array], mx.array]] | None:
+    """Each layer's MLP as `tiled_mlp` for the engine's forward to call (chunks <= 1: None, the stack's own)."""
+    return None if chunks <= 1 else [tiled_mlp(layer.mlp, chunks, gated) for layer in layers]

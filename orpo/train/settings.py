@@ -44,6 +44,7 @@ class EngineSettings:
     prefix_sharing: bool | str
     prefix_attention: str
     attention_backward: str
+    gated_mlp: bool
     width_multiple: int
     pack_width: int | str
     pack_rows: int | str
@@ -181,7 +182,8 @@ class Machine:
 
 # Settings added after runs were recorded, by section: the value such a run computed with.
 ADDED_SINCE_RECORDED: dict[str, dict[str, Any]] = {"engine": {"attention_backward": "fused", "segment_min_positions": 0,
-                                                               "pack_width": 0, "pack_rows": 1}}
+                                                               "pack_width": 0, "pack_rows": 1,
+                                                               "gated_mlp": False}}
 
 
 def as_recorded(settings: Mapping[str, Any]) -> Mapping[str, Any]:

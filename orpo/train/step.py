@@ -259,7 +259,7 @@ def packed_loss(logp: mx.array, packed: PackedPairs, loss: PairLoss | float) -> 
 def whole_loss(model: nn.Module, packed: PackedPairs, loss: PairLoss | float,
                e: EngineSettings) -> tuple[mx.array, dict[str, mx.array]]:
     """The loss and metrics of packed rows through the whole stack and the head (one graph)."""
-    hidden = Stack(model, e.attention_backward == "ordered").hidden(packed.layout)
+    hidden = Stack(model, e.attention_backward == "ordered", e.gated_mlp).hidden(packed.layout)
     return packed_loss(packed_token_logps(lm_head_of(model), hidden, packed, e), packed, loss)
 
 
@@ -358,7 +358,7 @@ def _segmented(model: nn.Module, packed: PackedPairs, loss: PairLoss, e: EngineS
                into: dict[str, mx.array] | None = None) -> tuple[tuple[mx.array, dict[str, mx.array]], Any]:
     """((loss, metrics), grads) through the segmented backward; a fused head runs eagerly, chunk by chunk. The
     head is read from the model inside each function: where it trains, the replaced arrays are differentiated."""
-    stack = Stack(model, e.attention_backward == "ordered")
+    stack = Stack(model, e.attention_backward == "ordered", e.gated_mlp)
     if e.mlp_chunks > 1:
         refuse_mlp_dropout(stack.layers)
 

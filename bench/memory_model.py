@@ -54,6 +54,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--geometry", default="cpu-small", help=f"comma-separated: {', '.join(GEOMETRIES)}")
     ap.add_argument("--full-depth", action="store_true", help="also the geometry's own depth (LoRA, plain backward)")
+    ap.add_argument("--engine", default="{}", help="train.engine settings (JSON) under every case's own")
     ap.add_argument("--json", help="write the rows here (after each case)")
     args = ap.parse_args()
     rows: list[dict[str, Any]] = []
@@ -67,7 +68,8 @@ def main() -> None:
             cases += [(depths[2], "lora", {}), (depths[2], "lora", {"segment_layers": 4})]
         for layers, method, engine, *pairs in cases:
             s = replace(shape, pairs=pairs[0]) if pairs else shape
-            row = {"geometry": name, "pairs": s.pairs, **measure(s, layers, method, engine)}
+            row = {"geometry": name, "pairs": s.pairs,
+                   **measure(s, layers, method, {**json.loads(args.engine), **engine})}
             rows.append(row)
             print(json.dumps(row), flush=True)
             if args.json:

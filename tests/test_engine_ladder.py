@@ -71,8 +71,8 @@ ENGINES = {name: resolved({**PLAIN, **e}) for name, e in {
     # Gated MLPs keeping gate and up alone (orpo.engine.mlp): plain, compiled, and segmented in MLP chunks.
     "gated_mlp": {"gated_mlp": True},
     "prefix_compiled_gated_mlp": {"prefix_sharing": True, "compile": True, "gated_mlp": True},
-    "all_compiled_mlp_chunks_2_gated_mlp": {"head": "fused", "head_chunk": 7, "segment_layers": 1,
-                                            "prefix_sharing": True, "compile": True, "mlp_chunks": 2, "gated_mlp": True},
+    "all_compiled_mlp_chunks_2_gated": {"head": "fused", "head_chunk": 7, "segment_layers": 1, "prefix_sharing": True,
+                                        "compile": True, "mlp_chunks": 2, "gated_mlp": True},
 }.items()}
 
 

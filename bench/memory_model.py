@@ -55,11 +55,14 @@ def main() -> None:
     ap.add_argument("--geometry", default="cpu-small", help=f"comma-separated: {', '.join(GEOMETRIES)}")
     ap.add_argument("--full-depth", action="store_true", help="also the geometry's own depth (LoRA, plain backward)")
     ap.add_argument("--engine", default="{}", help="train.engine settings (JSON) under every case's own")
+    ap.add_argument("--depths", help="the two layer counts of the slope, e.g. 4,8 (default: the geometry's)")
     ap.add_argument("--json", help="write the rows here (after each case)")
     args = ap.parse_args()
     rows: list[dict[str, Any]] = []
     for name in args.geometry.split(","):
         shape, depths = GEOMETRIES[name]
+        if args.depths:
+            depths = (*map(int, args.depths.split(",")), *depths[2:])
         cases = [(d, "lora", {}) for d in depths[:2]] + [(depths[1], "lora", {"segment_layers": 1}),
                                                          (depths[1], "lora", {"segment_layers": 2}),
                                                          (depths[1], "full", {}), (depths[1], "full", {"segment_layers": 1})]

@@ -202,9 +202,10 @@ def test_gated_activation_value_and_gradients_equal_float64(name, dtype, tol):
 
 def test_gated_mlps_keep_gate_and_up_alone_for_the_backward():
     """A stack of Llama MLPs (residual, down_proj trainable: its gradient reads the activation's product) through
-    mlp.mlp_of: the same loss and gradients as mlx-lm's own MLPs, and each layer keeps at least 1.5
-    [tokens, intermediate] arrays less for the backward (the slope of the peak from 2 to 6 layers); every supported
-    family's MLP takes its gated activation, any other module is left as it is."""
+    mlp.mlp_of: the same loss and gradients as mlx-lm's own MLPs, and each layer keeps at least 2 [tokens,
+    intermediate] arrays less for the backward, eager and under mx.compile (the slope of the peak from 6 to 12
+    layers: below 6 the backend's queued work makes it uneven); every supported family's MLP takes its gated
+    activation, any other module is left as it is."""
     from types import SimpleNamespace
 
     from mlx.utils import tree_flatten
@@ -212,7 +213,7 @@ def test_gated_mlps_keep_gate_and_up_alone_for_the_backward():
     tokens, hidden, inter = 1024, 64, 2048
     x = mx.array(np.random.default_rng(1).normal(size=(tokens, hidden)) * 0.5, mx.float32)
 
-    def run(layers, ours):
+    def run(layers, ours, compiled=False):
         mx.random.seed(0)
         net = nn.Module()
         net.mlps = [llama.MLP(SimpleNamespace(hidden_size=hidden, intermediate_size=inter, mlp_bias=False))
@@ -228,6 +229,8 @@ def test_gated_mlps_keep_gate_and_up_alone_for_the_backward():
             return x.square().sum()
 
         step = nn.value_and_grad(net, loss)
+        if compiled:
+            step = mx.compile(step, inputs=[net], outputs=[net])
         mx.eval(net.parameters(), step(x))
         mx.reset_peak_memory()
         base = mx.get_active_memory()
@@ -240,8 +243,9 @@ def test_gated_mlps_keep_gate_and_up_alone_for_the_backward():
     tol = 2e-3 if ON_GPU else 1e-5  # a GPU's float32 products round their inputs to tf32, in another order here
     for (name, a), (_, b) in zip(theirs[2], ours[2]):
         assert np.allclose(np.array(a), np.array(b), rtol=10 * tol, atol=tol * float(mx.abs(a).max())), name
-    per_layer = {o: (run(6, o)[0] - run(2, o)[0]) / 4 for o in (False, True)}
-    assert per_layer[False] - per_layer[True] >= 1.5, per_layer
+    for compiled in (False, True):
+        per_layer = {o: (run(12, o, compiled)[0] - run(6, o, compiled)[0]) / 6 for o in (False, True)}
+        assert per_layer[False] - per_layer[True] >= 2, (compiled, per_layer)
     for family in FAMILIES:
         mlp = tiny_model(family).model.layers[0].mlp
         assert type(mlp) in mlp_module.GATED_MLPS and mlp_module.mlp_of(mlp) is not mlp

@@ -77,9 +77,13 @@ def gated_down(activation: Gated, down: nn.Module) -> Callable[..., mx.array]:
     @down_of_gated.vjp
     def down_of_gated_vjp(primals: list[mx.array], cotangent: mx.array, output: mx.array) -> tuple[mx.array, ...]:
         gate, up, *params = primals
-        _, (dz, *dparams) = mx.vjp(lambda z, *ps: [run_down(z, ps)], [activation.forward(gate, up), *params],
-                                   [cotangent])
-        return (*activation.backward(gate, up, dz), *dparams)
+        # Under mx.compile the recompute would be merged with the forward's identical ops, which then stay alive to
+        # here; made to wait for the cotangent, it cannot be. The activation's backward waits for down's gradients,
+        # or breadth-first eval leaves every layer's recompute and weight gradients alive to the end.
+        g, u = mx.depends([gate, up], [cotangent])
+        _, (dz, *dparams) = mx.vjp(lambda z, *ps: [run_down(z, ps)], [activation.forward(g, u), *params], [cotangent])
+        g, u = mx.depends([gate, up], dparams or [dz])
+        return (*activation.backward(g, u, dz), *dparams)
 
     return down_of_gated
 

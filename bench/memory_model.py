@@ -3,7 +3,8 @@
 For each case one value_and_grad of the product's step (`orpo.train.step`, the engine resolved on this machine as a
 run resolves it) on random pairs of a real geometry, at a few depths: the memory the step takes above what was
 resident before it (peak - resident, the gradients' own arrays taken off) beside the estimate, so the per-layer
-slope and the depth-independent part (head, boundaries) can both be read. `orpo.train.footprint.plan_memory`
+slope and the depth-independent part (head, boundaries) can both be read; the same pairs also packed two to a row
+(`pack_width` in the row). `orpo.train.footprint.plan_memory`
 chooses the segmented backward from this estimate, so it must not fall short of the measurement.
 
     .venv/bin/python bench/memory_model.py --geometry cpu-small
@@ -28,6 +29,7 @@ from engine_shapes import CPU_SMALL, LLAMA_1B, MISTRAL_7B  # noqa: E402
 from orpo.config import section_defaults  # noqa: E402
 from orpo.train.footprint import measured_activations  # noqa: E402
 from orpo.train.lora import apply_lora  # noqa: E402
+from orpo.train.rows import block_lengths  # noqa: E402
 from orpo.train.settings import engine_settings  # noqa: E402
 from orpo.train.step import resolve_engine  # noqa: E402
 
@@ -45,9 +47,15 @@ def measure(shape: Any, layers: int, method: str, engine: dict[str, Any], seed: 
     m = measured_activations(model, random_pairs(shape, seed), e, LAMBDA)
     del model
     mx.clear_cache()
-    return {"layers": layers, "method": method, "segment_layers": e.segment_layers, "rows": m["rows"],
+    return {"layers": layers, "method": method, "segment_layers": e.segment_layers, "pack_width": e.pack_width,
+            "rows": m["rows"],
             "width": m["width"], "measured_gb": round(m["measured"] / GB, 4), "predicted_gb": round(m["predicted"] / GB, 4),
             "predicted_over_measured": round(m["predicted"] / m["measured"], 3)}
+
+
+def packed(shape: Any) -> dict[str, int]:
+    """The same pairs as the plain cases in packed rows: two pairs a row (a multiple of 128), two rows a micro-batch."""
+    return {"pack_width": -(-2 * max(block_lengths(random_pairs(shape, 0))) // 128) * 128, "pack_rows": 2}
 
 
 def main() -> None:
@@ -67,6 +75,7 @@ def main() -> None:
                                                          (depths[1], "lora", {"segment_layers": 2}),
                                                          (depths[1], "full", {}), (depths[1], "full", {"segment_layers": 1})]
         cases += [(depths[1], "lora", {}, 2)]  # half the pairs: the per-token slope
+        cases += [(d, "lora", packed(shape)) for d in depths[:2]]
         if args.full_depth:
             cases += [(depths[2], "lora", {}), (depths[2], "lora", {"segment_layers": 4})]
         for layers, method, engine, *pairs in cases:

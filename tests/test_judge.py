@@ -295,7 +295,11 @@ def test_resume_after_a_killed_run_loses_nothing_and_repeats_nothing(tmp_path):
         cached = cache.read_bytes().count(b"\n")
         assert 8 <= cached < total and not (tmp_path / "killed" / "summary.json").exists()
 
-        before = len(server.requests)
+        # The killed client's last requests may reach the server after the kill: count them before resuming.
+        before = -1
+        while before != len(server.requests):
+            before = len(server.requests)
+            time.sleep(4 * server.delay_s)
         resumed = judge_pairs(qs, a, b, tmp_path / "killed", _settings(server.url))
         rerun = server.users(before)
         # Every uncached judgment asked once; none of the cached ones asked again.

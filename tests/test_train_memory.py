@@ -316,10 +316,12 @@ def test_auto_segments_are_planned_to_the_budget_and_the_run_keeps_the_plan(tiny
     assert predicted["segment_layers"] == want and predicted["bytes"]["peak"] <= budget
 
 
-@pytest.mark.parametrize("method,segment_layers", [("lora", 0), ("lora", 1), ("lora", 2), ("full", 0), ("full", 1)])
-def test_the_activation_estimate_bounds_the_measured_step(method, segment_layers):
-    """The planner's estimate against one measured step (peak above the resident arrays, gradients off): never
-    short of it (a plan that fits on paper fits), and within 2.5x (not so loose that it segments for nothing)."""
+@pytest.mark.parametrize("method,segment_layers,pack_width", [("lora", 0, 0), ("lora", 1, 0), ("lora", 2, 0),
+                                                              ("full", 0, 0), ("full", 1, 0), ("lora", 0, 768)])
+def test_the_activation_estimate_bounds_the_measured_step(method, segment_layers, pack_width):
+    """The planner's estimate against one measured step (peak above the resident arrays, gradients off), in the
+    step's own rows or packed (two pairs a row): never short of it (a plan that fits on paper fits), and within
+    2.5x (not so loose that it segments for nothing)."""
     from orpo.train.footprint import measured_activations
     from orpo.train.lora import apply_lora
     from orpo.train.settings import engine_settings, lora_settings
@@ -337,7 +339,10 @@ def test_the_activation_estimate_bounds_the_measured_step(method, segment_layers
     from orpo.train.data import Pairs
     pairs = Pairs([str(i) for i in range(4)], [tokens(96 + 8 * i) for i in range(4)], [tokens(128) for _ in range(4)],
                   [tokens(112) for _ in range(4)], [[1] * 128] * 4, [[1] * 112] * 4)
-    m = measured_activations(model, pairs, resolve_engine(engine_settings({"segment_layers": segment_layers})))
+    engine = {"segment_layers": segment_layers, "pack_width": pack_width, "pack_rows": 2}
+    m = measured_activations(model, pairs, resolve_engine(engine_settings(engine)))
+    if pack_width:  # the four pairs, two a row
+        assert (m["pairs"], m["rows"], m["width"]) == (4, 2, pack_width), m
     assert m["measured"] <= m["predicted"] <= 2.5 * m["measured"], m
 
 

@@ -21,7 +21,9 @@ from orpo.train.data import Pairs
 from orpo.train.lora import mlp_dropout
 from orpo.train.memory import HEADROOM, device_memory
 from orpo.train.settings import EngineSettings
-from orpo.train.step import pair_value_and_grad, prepare, tight_rows_fit
+from orpo.train.rows import block_lengths
+from orpo.train.step import (batch_value_and_grad, pair_value_and_grad, prepare, prepare_packed_step,
+                              tight_rows_fit)
 from orpo.settings import as_dict
 
 GB = 1e9
@@ -150,9 +152,16 @@ def predict_memory(sess: Any, engine: EngineSettings | None = None,
 
 
 def measured_activations(model: Any, pairs: Pairs, engine: EngineSettings, lam: float = 0.1) -> dict[str, int]:
-    """One value_and_grad of `pairs` as one micro-batch, after a warm-up call: the bytes its peak took above the
-    arrays resident before it, less its gradients' own, beside `activation_bytes`' estimate for it."""
-    step = lambda: pair_value_and_grad(model, pairs, lam, engine)  # noqa: E731
+    """One value_and_grad of `pairs` as one micro-batch (with pack_width set, the first micro-batch of their packed
+    rows), after a warm-up call: the bytes its peak took above the arrays resident before it, less its gradients'
+    own, beside `activation_bytes`' estimate for it."""
+    if engine.pack_width:
+        batch = prepare_packed_step(pairs, block_lengths(pairs), engine)[0]
+        step = lambda: batch_value_and_grad(model, batch, lam, engine)  # noqa: E731
+        (rows, width), scored, n = batch.packed.layout.tokens.shape, int(batch.packed.targets.shape[0]), batch.n
+    else:
+        step = lambda: pair_value_and_grad(model, pairs, lam, engine)  # noqa: E731
+        (rows, width, scored), n = micro_batch_extent(pairs, engine, tight_rows_fit(model)), len(pairs)
     mx.eval(step())  # the trace (compiled) and the allocator's warm-up
     mx.clear_cache()
     resident = mx.get_active_memory()
@@ -160,9 +169,8 @@ def measured_activations(model: Any, pairs: Pairs, engine: EngineSettings, lam: 
     (loss, _), grads = step()
     mx.eval(loss, grads)
     measured = mx.get_peak_memory() - resident - sum(v.nbytes for _, v in tree_flatten(grads))
-    rows, width, scored = micro_batch_extent(pairs, engine, tight_rows_fit(model))
     return {"measured": int(measured), "predicted": model_activations(model, rows, width, scored, engine),
-            "rows": rows, "width": width}
+            "rows": rows, "width": width, "pairs": n}
 
 
 def memory_budget(engine: EngineSettings) -> int:

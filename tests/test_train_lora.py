@@ -119,6 +119,39 @@ def test_recompute_under_checkpoint_sees_the_same_mask(tiny_base, tiny_rendered,
     assert max(np.abs(stock_ck[k] - stock_plain[k]).max() for k in stock_plain) > 0.1 * scale
 
 
+@pytest.mark.parametrize("scale", [2.0, 1.5])
+def test_lora_linear_value_and_gradients_equal_float64(scale):
+    """y = W x + scale (x A) B and the gradients of sum(y * c) for x, A and B against float64 numpy (float32, relative
+    to each result's largest magnitude); in bfloat16 too, where a power-of-two scale on B gives the bits of the
+    scale applied to the product (rounding commutes with it), so runs replay as before with the defaults."""
+    from orpo.train.keys import DropoutKeys
+    from orpo.train.lora import LoRALinear
+
+    rng = np.random.default_rng(0)
+    layer = LoRALinear(nn.Linear(48, 40, bias=False), 8, scale, 0.0, 0, DropoutKeys(0), mx.random.key(0))
+    layer.lora_b = mx.array(rng.normal(size=(8, 40)) * 0.1, mx.float32)
+    x, c = (mx.array(rng.normal(size=(32, n)), mx.float32) for n in (48, 40))
+
+    def loss(a, b, x):
+        layer.lora_a, layer.lora_b = a, b
+        return (layer(x) * c).sum()
+
+    a, b = layer.lora_a, layer.lora_b
+    value, (da, db, dx) = mx.value_and_grad(loss, argnums=(0, 1, 2))(a, b, x)
+    A, B, X, C, W = (np.array(v, dtype=np.float64) for v in (a, b, x, c, layer.linear.weight))
+    want = {"value": (X @ W.T + scale * X @ A @ B) * C, "dA": scale * X.T @ (C @ B.T), "dB": scale * (X @ A).T @ C,
+            "dx": C @ W + scale * C @ B.T @ A.T}
+    for name, got, w in (("value", value, want["value"].sum()), ("dA", da, want["dA"]), ("dB", db, want["dB"]),
+                         ("dx", dx, want["dx"])):
+        err = np.abs(np.array(got, dtype=np.float64) - w).max() / np.abs(w).max()
+        assert err < 1e-5, (name, err)
+    if scale == 2.0:
+        xb, wb = x.astype(mx.bfloat16), layer.linear.weight.astype(mx.bfloat16)
+        layer.linear.weight, layer.lora_a, layer.lora_b = wb, a, b
+        product = mx.addmm(xb @ wb.T, xb @ a.astype(mx.bfloat16), b.astype(mx.bfloat16), alpha=scale)
+        assert mx.array_equal(layer(xb), product)
+
+
 def test_lora_plus_scales_the_b_update_only(tiny_base, tiny_rendered, tmp_path):
     """First AdamW step from a warm start (A gets gradient): dA is the same, dB is plus_ratio times larger."""
     base = build_session(tiny_base, tiny_rendered, train_settings({**SETTINGS, "lora": {"rank": 4, "alpha": 8}}))

@@ -53,9 +53,10 @@ class LoRALinear(nn.Module):
         if self.training and self.p > 0:
             x = keyed_dropout(x, self.p, self._dropout_key)
         # In the activation dtype: a float32 path on a bf16 model would keep float32 copies of x for the backward
-        # (bench/README.md); y as addmm's addend: no [tokens, out] copies of (x A) B and of its scaled form.
+        # (bench/README.md); y as addmm's addend: no [tokens, out] copies of (x A) B and of its scaled form. The
+        # scale on B [rank, out], not as addmm's alpha, whose backward multiplies each [tokens, out] cotangent by it.
         dt = x.dtype
-        return mx.addmm(y, x @ self.lora_a.astype(dt), self.lora_b.astype(dt), alpha=self.scale)
+        return mx.addmm(y, x @ self.lora_a.astype(dt), (self.lora_b * self.scale).astype(dt))
 
 
 @contextlib.contextmanager

@@ -48,8 +48,8 @@ def measure(shape: Any, layers: int, method: str, engine: dict[str, Any], seed: 
     del model
     mx.clear_cache()
     return {"layers": layers, "method": method, "segment_layers": e.segment_layers, "pack_width": e.pack_width,
-            "rows": m["rows"],
-            "width": m["width"], "measured_gb": round(m["measured"] / GB, 4), "predicted_gb": round(m["predicted"] / GB, 4),
+            "rows": m["rows"], "width": m["width"], "measured_gb": round(m["measured"] / GB, 4),
+            "predicted_gb": round(m["predicted"] / GB, 4),
             "predicted_over_measured": round(m["predicted"] / m["measured"], 3)}
 
 

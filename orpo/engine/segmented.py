@@ -17,7 +17,7 @@ from mlx.utils import tree_flatten, tree_map_with_path, tree_unflatten
 
 from orpo.engine.compiled import kept, layout_arrays, mask_arrays, masks_from
 from orpo.engine.queue import EvalQueue
-from orpo.engine.params import trainables_replaced
+from orpo.engine.params import trainables_of, trainables_replaced
 from orpo.engine.stack import Layout, Stack
 from orpo.engine.tiled import tiled_mlps
 
@@ -105,7 +105,7 @@ def _segment(stack: Stack, a: int, b: int, what: str, mlp_chunks: int = 1) -> Ca
     layers = stack.layers[a:b]
 
     def vjp(h_in: mx.array, cot: mx.array, masks: list[Any], positions: mx.array | None) -> list[mx.array]:
-        arrays = [v for layer in layers for _, v in tree_flatten(layer.trainable_parameters())]
+        arrays = trainables_of(layers)
 
         def segment(h0: mx.array, *params: mx.array) -> list[mx.array]:
             with trainables_replaced(layers, params):

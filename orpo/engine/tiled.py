@@ -10,7 +10,6 @@ from collections.abc import Callable, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx.utils import tree_flatten
 
 from orpo.engine.mlp import mlp_of
 from orpo.engine.params import trainables_of, trainables_replaced

@@ -102,9 +102,14 @@ def widest_extent(sess: Any) -> tuple[int, int, int]:
     pack_width when packed (every scored position counted), else `widest_micro_batch`'s."""
     e = sess.engine
     if e.pack_width:
-        return e.pack_rows, e.pack_width, e.pack_rows * e.pack_width
+        return packed_extent(e)
     return micro_batch_extent(widest_micro_batch(sess.train, sess.s.batch_size, sess.lengths), e,
                               sess.resolved.tight_rows, sess.s.nll_span)
+
+
+def packed_extent(engine: EngineSettings) -> tuple[int, int, int]:
+    """(rows, width, scored tokens) of a packed micro-batch: pack_rows rows of pack_width, every position counted."""
+    return engine.pack_rows, engine.pack_width, engine.pack_rows * engine.pack_width
 
 
 def micro_batch_extent(pairs: Pairs, engine: EngineSettings, tight: bool, nll_span: str = "response") -> tuple[int, int, int]:
@@ -158,7 +163,7 @@ def measured_activations(model: Any, pairs: Pairs, engine: EngineSettings, lam: 
     if engine.pack_width:
         batch = prepare_packed_step(pairs, block_lengths(pairs), engine)[0]
         step = lambda: batch_value_and_grad(model, batch, lam, engine)  # noqa: E731
-        (rows, width), scored, n = batch.packed.layout.tokens.shape, int(batch.packed.targets.shape[0]), batch.n
+        (rows, width, scored), n = packed_extent(engine), batch.n  # as the planner counts it
     else:
         step = lambda: pair_value_and_grad(model, pairs, lam, engine)  # noqa: E731
         (rows, width, scored), n = micro_batch_extent(pairs, engine, tight_rows_fit(model)), len(pairs)

@@ -61,7 +61,8 @@ def packed(shape: Any) -> dict[str, int]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--geometry", default="cpu-small", help=f"comma-separated: {', '.join(GEOMETRIES)}")
-    ap.add_argument("--full-depth", action="store_true", help="also the geometry's own depth (LoRA, plain backward)")
+    ap.add_argument("--full-depth", action="store_true",
+                    help="also the geometry's own depth (LoRA: plain backward, segments of 4, packed)")
     ap.add_argument("--engine", default="{}", help="train.engine settings (JSON) under every case's own")
     ap.add_argument("--depths", help="the two layer counts of the slope, e.g. 4,8 (default: the geometry's)")
     ap.add_argument("--json", help="write the rows here (after each case)")
@@ -77,7 +78,7 @@ def main() -> None:
         cases += [(depths[1], "lora", {}, 2)]  # half the pairs: the per-token slope
         cases += [(d, "lora", packed(shape)) for d in depths[:2]]
         if args.full_depth:
-            cases += [(depths[2], "lora", {}), (depths[2], "lora", {"segment_layers": 4})]
+            cases += [(depths[2], "lora", e) for e in ({}, {"segment_layers": 4}, packed(shape))]
         for layers, method, engine, *pairs in cases:
             s = replace(shape, pairs=pairs[0]) if pairs else shape
             row = {"geometry": name, "pairs": s.pairs,

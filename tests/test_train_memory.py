@@ -376,8 +376,9 @@ def test_a_planned_run_recomputes_only_the_micro_batches_the_plain_backward_does
 
 def test_the_cuda_estimate_covers_every_step_measured_on_a_gpu():
     """The activation estimate as CUDA computes it against bench/memory_model.py's measurements on a GPU
-    (bench/runs/2026-12-06-h100: 1B and 7B geometries, 2 to 32 layers, LoRA and full, plain and segmented):
-    never short of a measured step (a plan that fits on paper fits there), and within 3x of it."""
+    (bench/runs/2026-12-06-h100: 1B and 7B geometries, 2 to 32 layers, LoRA and full, plain and segmented; and
+    2026-12-07-h100's packed rows, gated MLPs): never short of a measured step (a plan that fits on paper fits
+    there), and within 3x of it."""
     import sys
     from types import SimpleNamespace
 
@@ -387,14 +388,17 @@ def test_the_cuda_estimate_covers_every_step_measured_on_a_gpu():
     from engine_shapes import LLAMA_1B, MISTRAL_7B
 
     shapes = {"h200": LLAMA_1B, "mistral-7b": MISTRAL_7B}
-    runs = Path(__file__).resolve().parents[1] / "bench" / "runs" / "2026-12-06-h100"
-    rows = [r for f in sorted(runs.glob("memory-model-*.json")) for r in json.loads(f.read_text())["rows"]]
-    assert len(rows) >= 20 and {r["geometry"] for r in rows} == set(shapes)
+    runs = Path(__file__).resolve().parents[1] / "bench" / "runs"
+    files = [*sorted((runs / "2026-12-06-h100").glob("memory-model-*.json")),
+             runs / "2026-12-07-h100" / "memory-model-packed-gated-after-fix.json"]
+    rows = [r for f in files for r in json.loads(f.read_text())["rows"]]
+    assert len(rows) >= 40 and {r["geometry"] for r in rows} == set(shapes) and any(r.get("pack_width") for r in rows)
     for r in rows:
         shape = shapes[r["geometry"]]
         args = SimpleNamespace(**{**shape.llama_config(), "num_hidden_layers": r["layers"]})
         engine = {"segment_layers": r["segment_layers"], "mlp_chunks": 1, "head": "fused", "head_chunk": 0}
-        scored = r["pairs"] * 2 * shape.response  # every response token of a pair's chosen and rejected
+        # every response token of a pair's chosen and rejected; in packed rows every position, as the planner counts
+        scored = r["rows"] * r["width"] if r.get("pack_width") else r["pairs"] * 2 * shape.response
         estimate = activation_bytes(args, mx.bfloat16, r["rows"], r["width"], scored, engine, r["method"] == "full",
                                     cuda=True) / GB
         assert r["measured_gb"] <= estimate <= 3 * r["measured_gb"], (r, estimate)

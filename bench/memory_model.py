@@ -65,11 +65,13 @@ def main() -> None:
                     help="also the geometry's own depth (LoRA: plain backward, segments of 4, packed)")
     ap.add_argument("--engine", default="{}", help="train.engine settings (JSON) under every case's own")
     ap.add_argument("--depths", help="the two layer counts of the slope, e.g. 4,8 (default: the geometry's)")
+    ap.add_argument("--dtype", help="the model's dtype in place of the geometry's (e.g. bfloat16 at cpu-small)")
     ap.add_argument("--json", help="write the rows here (after each case)")
     args = ap.parse_args()
     rows: list[dict[str, Any]] = []
     for name in args.geometry.split(","):
         shape, depths = GEOMETRIES[name]
+        shape = replace(shape, dtype=args.dtype) if args.dtype else shape
         if args.depths:
             depths = (*map(int, args.depths.split(",")), *depths[2:])
         cases = [(d, "lora", {}) for d in depths[:2]] + [(depths[1], "lora", {"segment_layers": 1}),

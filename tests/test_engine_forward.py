@@ -200,6 +200,22 @@ def test_gated_activation_value_and_gradients_equal_float64(name, dtype, tol):
         assert err < tol, err
 
 
+@pytest.mark.parametrize("name", ["swiglu", "geglu"])
+def test_gated_backward_writes_only_its_two_gradients_under_compile(name):
+    """The activation's backward in bf16 under an enclosing mx.compile (as the compiled step runs it) peaks at its
+    two outputs: nothing it computes in float32 on the way is written out as a [tokens, intermediate] array."""
+    activation = GATED[name][0]
+    gate, up, cot = (mx.random.normal((512, 1024), key=mx.random.key(i)).astype(mx.bfloat16) for i in range(3))
+    step = mx.compile(lambda g, u, c: activation.backward(g, u, c))
+    mx.eval(gate, up, cot, step(gate, up, cot))
+    mx.clear_cache()
+    base = mx.get_active_memory()
+    mx.reset_peak_memory()
+    out = step(gate, up, cot)
+    mx.eval(out)
+    assert mx.get_peak_memory() - base <= 1.1 * sum(o.nbytes for o in out)
+
+
 def test_gated_mlps_keep_gate_and_up_alone_for_the_backward():
     """A stack of Llama MLPs (residual, down_proj trainable: its gradient reads the activation's product) through
     mlp.mlp_of: the same loss and gradients as mlx-lm's own MLPs, and each layer keeps at least 2 [tokens,

@@ -4,7 +4,7 @@ Autodiff of mlx-lm's `down_proj(act(gate_proj(x)) * up_proj(x))` keeps, for the 
 act(gate) and the product the down projection reads: three [tokens, intermediate] arrays a layer beyond gate and
 up. Here the activation and the down projection are one custom function whose forward keeps only gate and up and
 whose backward recomputes the product (one elementwise kernel) for the down projection's own vjp, then the
-activation's gradients in float32 (one elementwise kernel).
+activation's gradients (an elementwise kernel each).
 """
 
 from __future__ import annotations
@@ -30,12 +30,16 @@ class Gated:
 
 
 def gated(act: Callable[[mx.array], mx.array], act_grad: Callable[[mx.array], mx.array]) -> Gated:
-    """The gated activation of `act`, its backward in float32 from `act_grad` (act's derivative)."""
+    """The gated activation of `act`; its backward: d gate in float32 from `act_grad` (act's derivative), d up in
+    the inputs' dtype as autodiff computes it."""
 
     @partial(mx.compile, shapeless=True)
     def backward(gate: mx.array, up: mx.array, cotangent: mx.array) -> tuple[mx.array, mx.array]:
-        g, u, c = (a.astype(mx.float32) for a in (gate, up, cotangent))
-        return (c * u * act_grad(g)).astype(gate.dtype), (c * act(g)).astype(up.dtype)
+        g = gate.astype(mx.float32)
+        d_gate = (cotangent.astype(mx.float32) * up.astype(mx.float32) * act_grad(g)).astype(gate.dtype)
+        # Two outputs sharing a float32 cast or act(g) are not one fused kernel: the shared values would be written
+        # out in float32 (three [tokens, intermediate] arrays at bf16); sharing nothing, each output fuses alone.
+        return d_gate, (cotangent * act(gate)).astype(up.dtype)
 
     return Gated(mx.compile(lambda gate, up: act(gate) * up, shapeless=True), backward)
 

@@ -71,13 +71,6 @@ class LMHead:
         w = mx.dequantize(self.weight, self.scales, self.biases, self.group_size, self.bits, mode=self.mode)
         return replace(self, weight=w, scales=None, biases=None, group_size=None, bits=None)
 
-    def back_project(self, dz: mx.array) -> mx.array:
-        """dz W: a cotangent on the logits [.., V] to one on the hidden state [.., H]."""
-        if self.quantized:
-            return mx.quantized_matmul(dz, self.weight, scales=self.scales, biases=self.biases, transpose=False,
-                                       group_size=self.group_size, bits=self.bits, mode=self.mode)
-        return dz @ self.weight
-
 
 def _apply_softcap(x: mx.array, cap: float | None) -> mx.array:
     return x if cap is None else mx.tanh(x / cap) * cap  # mlx-lm's order of operations
@@ -217,7 +210,8 @@ class HeadGrads:
 
 def _cotangents(head: LMHead, h: mx.array, targets: mx.array, lse: mx.array, g: mx.array, g_lse: mx.array,
                 chunk: int, queue: EvalQueue | None) -> HeadGrads:
-    """Cotangents of sum(g * logp + g_lse * lse), each chunk's logit block recomputed (the forward kept none).
+    """Cotangents of sum(g * logp + g_lse * lse) for a float (dequantized) head, each chunk's logit block
+    recomputed (the forward kept none).
 
     A trainable head's block gives its float32 dz once: dz W (in the head's dtype) for h, and dz^T h added to a
     float32 [V, H] accumulator (float32 operands: no chunk's part is rounded before the sum).
@@ -232,7 +226,7 @@ def _cotangents(head: LMHead, h: mx.array, targets: mx.array, lse: mx.array, g: 
         hc = h[e] if queue is not None else after(h[e], ([] if dw is None else [dw]) + dh[-1:])
         x = head.project(hc)
         dz = backward(x, lse[e], targets[e], g[e], g_lse[e])
-        d = head.back_project(dz if dw is None else dz.astype(x.dtype))
+        d = (dz if dw is None else dz.astype(x.dtype)) @ head.weight
         if dw is not None:
             dw = mx.addmm(dw, dz.T, hc.astype(mx.float32))
         if db is not None:

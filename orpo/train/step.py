@@ -37,21 +37,17 @@ def resolve_engine(engine: EngineSettings) -> EngineSettings:
     """`engine` with this machine's choices made for its `auto` values (once per run: the run records them);
     the memory plan's auto values are the plain backward's here (segments 0, MLP whole) and packing's are off, the
     trainer then plans them for its data (footprint.plan_memory, plan_packing)."""
-    # compile: faster on CUDA (bench/README.md); on the CPU each new shape's first call pays a trace and a C++ build.
-    # prefix_sharing: on everywhere, faster and smaller on the CPU and on CUDA (bench/README.md).
-    # attention_backward: ordered where the fused backward sums with atomics (a GPU), so replay is bit-exact.
-    ordered = "ordered" if on_gpu() else "fused"
-    return dataclasses.replace(
-        engine,
-        compile=on_cuda() if engine.compile == "auto" else engine.compile,
-        prefix_sharing=True if engine.prefix_sharing == "auto" else engine.prefix_sharing,
-        attention_backward=ordered if engine.attention_backward == "auto" else engine.attention_backward,
-        segment_layers=0 if engine.segment_layers == "auto" else engine.segment_layers,
-        segment_min_positions=0 if engine.segment_min_positions == "auto" else engine.segment_min_positions,
-        mlp_chunks=1 if engine.mlp_chunks == "auto" else engine.mlp_chunks,
-        pack_width=0 if engine.pack_width == "auto" else engine.pack_width,
-        pack_rows=1 if engine.pack_rows == "auto" else engine.pack_rows,
-        width_multiple=engine.width_multiple or (CUDA_ATTENTION_MULTIPLE if on_cuda() else 0))
+    choices = {
+        # faster on CUDA (bench/README.md); on the CPU each new shape's first call pays a trace and a C++ build
+        "compile": on_cuda(),
+        # faster and smaller on the CPU and on CUDA (bench/README.md)
+        "prefix_sharing": True,
+        # ordered where the fused backward sums with atomics (a GPU), so replay is bit-exact
+        "attention_backward": "ordered" if on_gpu() else "fused",
+        "segment_layers": 0, "segment_min_positions": 0, "mlp_chunks": 1, "pack_width": 0, "pack_rows": 1,
+    }
+    return dataclasses.replace(engine, **{k: v for k, v in choices.items() if getattr(engine, k) == "auto"},
+                               width_multiple=engine.width_multiple or (CUDA_ATTENTION_MULTIPLE if on_cuda() else 0))
 
 
 def plan_packing(configured: EngineSettings, model: nn.Module, lengths: list[int], batch_size: int,

@@ -11,8 +11,7 @@ from test_engine_ladder import ENGINES, LAM, assert_close, lora_model, resolved
 from test_engine_stack import random_pairs, with_unshared_pair
 
 from conftest import MATMUL_TOL, TINY_TRAIN, shortest_pairs
-from orpo.train.data import pair_batch
-from orpo.train.step import PLAIN, naive_pair_loss, pair_scores, pair_value_and_grad, prompt_nll_mask
+from orpo.train.step import PLAIN, naive_pair_loss, pair_scores, pair_value_and_grad, plain_batch
 from orpo.train.settings import train_settings
 from orpo.train.trainer import replay, train
 
@@ -70,8 +69,8 @@ def naive_with_span(model, pairs):
     """Rung 0 with the prompt in the NLL: the full-logits loss with the chosen rows' NLL mask."""
     import mlx.nn as nn
 
-    tokens, mask = pair_batch(pairs, list(range(len(pairs))))
-    return nn.value_and_grad(model, naive_pair_loss)(model, tokens, mask, len(pairs), LAM, prompt_nll_mask(pairs, mask))
+    tokens, mask, nll = plain_batch(pairs, None, "prompt_and_response")
+    return nn.value_and_grad(model, naive_pair_loss)(model, tokens, mask, len(pairs), LAM, nll)
 
 
 @pytest.mark.parametrize("engine", ["fused", "segments_1", "prefix", "prefix_exclusion", "all", "all_width_128",

@@ -128,13 +128,17 @@ def row_lengths(pairs: Pairs, engine: EngineSettings, tight: bool) -> list[int]:
     return pair_tokens(pairs) if engine.prefix_sharing is True and tight else pair_lengths(pairs)
 
 
-def prompt_nll_mask(pairs: Pairs, mask: mx.array) -> mx.array:
-    """The chosen rows' NLL mask [B, T] of the prompt_and_response span: their response mask plus every prompt
-    token after the first (pair_batch's rows: the prompt first)."""
-    out = np.array(mask[: len(pairs)])
+def plain_batch(pairs: Pairs, input_multiple: int | None,
+                nll_span: str = "response") -> tuple[mx.array, mx.array, mx.array | None]:
+    """pair_batch's [chosen; rejected] tokens and mask of `pairs`, and for the prompt_and_response span the chosen
+    rows' NLL mask [B, T]: their response mask plus every prompt token after the first (None for the response)."""
+    tokens, mask = pair_batch(pairs, list(range(len(pairs))), input_multiple)
+    if nll_span == "response":
+        return tokens, mask, None
+    nll = np.array(mask[: len(pairs)])
     for i, p in enumerate(pairs.prompt):
-        out[i, 1: len(p)] = 1
-    return mx.array(out)
+        nll[i, 1: len(p)] = 1
+    return tokens, mask, mx.array(nll)
 
 
 @dataclass(frozen=True)
@@ -162,13 +166,12 @@ class MicroBatch:
 def prepare(pairs: Pairs, engine: EngineSettings, tight: bool = True, nll_span: str = "response") -> MicroBatch:
     """The forward rows of `pairs` for the resolved engine settings (host work only; `tight` as `pack` takes it)."""
     e = _resolved(engine)
-    n = len(pairs)
-    if e.plain:
-        tokens, mask = pair_batch(pairs, list(range(n)), e.input_multiple)
-        full = sum(2 * len(p) + len(c) + len(r) for p, c, r in zip(pairs.prompt, pairs.chosen, pairs.rejected))
-        nll = prompt_nll_mask(pairs, mask) if nll_span == "prompt_and_response" else None
-        return MicroBatch(n, _scored_tokens(pairs), full, full, int(tokens.size), plain=(tokens, mask), plain_nll=nll)
-    return _micro_batch(pairs, pack(pairs, e, tight, nll_span))
+    if not e.plain:
+        return _micro_batch(pairs, pack(pairs, e, tight, nll_span))
+    tokens, mask, nll = plain_batch(pairs, e.input_multiple, nll_span)
+    full = sum(2 * len(p) + len(c) + len(r) for p, c, r in zip(pairs.prompt, pairs.chosen, pairs.rejected))
+    return MicroBatch(len(pairs), _scored_tokens(pairs), full, full, int(tokens.size), plain=(tokens, mask),
+                      plain_nll=nll)
 
 
 def prepare_packed_step(pairs: Pairs, lengths: list[int], engine: EngineSettings,
@@ -228,7 +231,7 @@ def packed_logps(model: nn.Module, packed: PackedPairs, engine: EngineSettings) 
 def naive_logps(model: nn.Module, tokens: mx.array, mask: mx.array, n: int,
                 nll_mask: mx.array | None = None) -> tuple[mx.array, mx.array | None]:
     """Mean response log-probs [2n] of a [chosen; rejected] batch from full logits, and the chosen rows' mean
-    log-prob over `nll_mask` [n, T] where given (prompt_nll_mask)."""
+    log-prob over `nll_mask` [n, T] where given (plain_batch)."""
     logits = model(tokens[:, :-1])
     logps = mean_logps_from_logits(logits, tokens[:, 1:], mask[:, 1:])
     if nll_mask is None:
@@ -274,11 +277,8 @@ def reference_logps(model: nn.Module, batch: MicroBatch, engine: EngineSettings,
                     reference: nn.Module | None = None) -> mx.array:
     """Mean response log-probs [2n] of a micro-batch under the reference model, one forward without gradients."""
     with reference_model(model, reference) as net:
-        if batch.plain is not None:
-            logps = response_mean_logps(net, *batch.plain)
-        else:
-            logps = packed_logps(net, batch.packed, engine)[0]
-        logps = mx.stop_gradient(logps)
+        logps = mx.stop_gradient(response_mean_logps(net, *batch.plain) if batch.plain is not None
+                                 else packed_logps(net, batch.packed, engine)[0])
         mx.eval(logps)  # while the adapters are off
     return logps
 
@@ -398,8 +398,7 @@ def pair_scores(model: nn.Module, pairs: Pairs, engine: EngineSettings, nll_span
     e = _resolved(engine)
     n = len(pairs)
     if e.head == "naive" and not e.prefix_sharing:  # segments only change the backward
-        tokens, mask = pair_batch(pairs, list(range(n)), e.input_multiple)
-        nll_mask = None if nll_span == "response" else prompt_nll_mask(pairs, mask)
+        tokens, mask, nll_mask = plain_batch(pairs, e.input_multiple, nll_span)
         logps, nll_logp = naive_logps(model, tokens, mask, n, nll_mask)
     else:
         packed = pack(pairs, e, tight_rows_fit(model) if tight is None else tight, nll_span)

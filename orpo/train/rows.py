@@ -208,15 +208,11 @@ def shared_rows(pairs: Pairs, input_multiple: int | None = None, attention: str 
     else:
         tokens = pad_rows([h + t for h, t in zip(heads, tails)], 0, multiple)
         starts = [len(h) for h in heads]
-    width = tokens.shape[1]
-    index = [i * width + j for side in blocks.where(starts) for i, idx in enumerate(side) for j in idx]
     # Alignment of rejected's attention only where widths are asked for (CUDA's 128: SplitRows explains why).
     split = _split_rows(shared, starts[0], input_multiple or 1) if aligned else None
-    two_forward = blocks.two_forward_tokens()
-    bases = [i * width for i in range(len(pairs))]
-    return _targets(_block_layout(tokens, np.array(shared), np.array(starts), split), index, blocks.targets,
-                    blocks.counts(), multiple, two_forward - sum(shared), two_forward, blocks.fallbacks,
-                    _prompt_targets(pairs, bases, nll_span))
+    layout = _block_layout(tokens, np.array(shared), np.array(starts), split)
+    bases = [i * tokens.shape[1] for i in range(len(pairs))]
+    return _laid_out(pairs, blocks, layout, bases, starts, multiple, nll_span)
 
 
 def packed_rows(pairs: Pairs, per_row: list[int], width: int, multiple: int = 16,
@@ -247,11 +243,17 @@ def packed_rows(pairs: Pairs, per_row: list[int], width: int, multiple: int = 16
             segments[r, at:end] = place
             bases.append(r * width + at)
             at, i = end, i + 1
-    where = blocks.where([len(h) for h in blocks.heads])
-    index = [bases[i] + j for side in where for i, idx in enumerate(side) for j in idx]
-    two_forward = blocks.two_forward_tokens()
     layout = Layout(mx.array(tokens), mx.array(positions), segments=mx.array(segments, mx.int32),
                     roles=mx.array(roles), key_bounds=mx.array(packed_key_bounds(segments, roles)))
+    return _laid_out(pairs, blocks, layout, bases, [len(h) for h in blocks.heads], multiple, nll_span)
+
+
+def _laid_out(pairs: Pairs, blocks: _Blocks, layout: Layout, bases: list[int], starts: list[int], multiple: int,
+              nll_span: str) -> PackedPairs:
+    """PackedPairs of `blocks` in `layout`: pair i's block from flat index bases[i] on, rejected's own tokens from
+    offset starts[i] in it."""
+    index = [bases[i] + j for side in blocks.where(starts) for i, idx in enumerate(side) for j in idx]
+    two_forward = blocks.two_forward_tokens()
     return _targets(layout, index, blocks.targets, blocks.counts(), multiple, two_forward - sum(blocks.shared),
                     two_forward, blocks.fallbacks, _prompt_targets(pairs, bases, nll_span))
 

@@ -264,8 +264,6 @@ def build_session(base_dir: str | Path, rendered_dir: str | Path, settings: Trai
     if s.init_adapter:
         folder = warm_start(model, adapter_config, s.init_adapter)
         init = {"path": str(folder), "sha256": sha256_file(folder / "adapters.safetensors")}
-    # Replay reads the settings back from here too, so the adapter records what produced it.
-    adapter_config["orpo_train"] = as_dict(s)
     train = load_pairs(Path(rendered_dir) / "train.parquet")
     _refuse_identical(train, Path(rendered_dir) / "train.parquet")
     # Grouping by length saves padding but makes batches homogeneous; on the embedded data it slowed
@@ -280,15 +278,12 @@ def build_session(base_dir: str | Path, rendered_dir: str | Path, settings: Trai
     blocks = None
     if planned and "auto" in (settings.engine.pack_width, settings.engine.pack_rows):
         blocks = block_lengths(train)
-        packing = plan_packing(settings.engine, model, blocks, s.batch_size, on_cuda())
-        s = dataclasses.replace(s, engine=dataclasses.replace(s.engine, **packing))
-        resolved = dataclasses.replace(resolved, settings=s)
-        adapter_config["orpo_train"] = as_dict(s)
+        resolved = resolved.with_engine(**plan_packing(settings.engine, model, blocks, s.batch_size, on_cuda()))
     sess = Session(resolved, model, opt, adapter_config, train, schedule, keys, init, shard, precision=precision,
                    reference=reference, blocks=blocks)
     if planned and "auto" in settings.engine.memory_plan.values():  # a recorded run keeps the plan it made
         plan, sess.plan = plan_memory(sess, settings.engine)
-        engine = dataclasses.replace(s.engine, **plan)
-        sess.resolved = dataclasses.replace(resolved, settings=dataclasses.replace(s, engine=engine))
-        adapter_config["orpo_train"] = as_dict(sess.s)
+        sess.resolved = resolved.with_engine(**plan)
+    # Replay reads the settings back from here too, so the adapter records what produced it.
+    adapter_config["orpo_train"] = as_dict(sess.s)
     return sess

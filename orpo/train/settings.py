@@ -216,6 +216,11 @@ class ResolvedRun:
         except (KeyError, TypeError) as e:
             raise ValueError(f"{where}: not a resolved-settings record ({e})") from None
 
+    def with_engine(self, **changes: Any) -> ResolvedRun:
+        """These settings with the engine's `changes` (the plans a run makes once it knows its model and data)."""
+        engine = dataclasses.replace(self.settings.engine, **changes)
+        return dataclasses.replace(self, settings=dataclasses.replace(self.settings, engine=engine))
+
     def reproducible_here(self, here: Machine | None = None) -> str | None:
         """Why this machine cannot replay the run bit for bit (another backend), or None."""
         here = here or Machine.here()

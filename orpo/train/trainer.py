@@ -144,7 +144,8 @@ def _train(sess: Session, record: dict[str, Any], rendered_dir: str | Path, out_
         index["baseline"] = sess.evaluate(val)
         progress.event({"step": 0, "validation": index["baseline"]})
 
-    per_epoch = _steps_per_epoch(sess)
+    # Each step takes the global batch; the remainder sits the epoch out (batch_schedule).
+    per_epoch = max(1, len(sess.train) // (s.batch_size * s.grad_accum * sess.shard.size))
     ckpt_steps = set(_checkpoint_steps(s, sess.total_steps, per_epoch))
     compiles = sess.engine.compile and not sess.engine.plain  # the plain path never compiles
     with bounded_memory(sess, predicted) as cache, \
@@ -247,19 +248,22 @@ class Throughput:
         """This step's counts added; the rates since the start and the step's padding fraction."""
         for k in self.COUNTS:
             self.totals[k] += int(m[k])
-        elapsed = max(time.time() - self.t0, 1e-9)
-        return {"elapsed_s": round(elapsed, 3), **self._rates(elapsed),
-                "padding": round(1 - m["row_tokens"] / max(m["positions"], 1), 4)}
+        elapsed, rates = self._rates()
+        return {"elapsed_s": round(elapsed, 3), **rates, "padding": _padding(m)}
 
-    def _rates(self, elapsed: float) -> dict[str, float]:
-        return {f"{k}_per_s": round(self.totals[k] / elapsed, 1) for k in self.COUNTS[:3]}
+    def _rates(self) -> tuple[float, dict[str, float]]:
+        elapsed = max(time.time() - self.t0, 1e-9)
+        return elapsed, {f"{k}_per_s": round(self.totals[k] / elapsed, 1) for k in self.COUNTS[:3]}
 
     def summary(self) -> dict[str, float]:
         """The whole loop's rates and padding (what index.json keeps)."""
-        elapsed = max(time.time() - self.t0, 1e-9)
-        t = self.totals
-        return {"seconds": round(elapsed, 2), **self._rates(elapsed),
-                "padding": round(1 - t["row_tokens"] / max(t["positions"], 1), 4)}
+        elapsed, rates = self._rates()
+        return {"seconds": round(elapsed, 2), **rates, "padding": _padding(self.totals)}
+
+
+def _padding(counts: dict[str, float]) -> float:
+    """The share of the positions computed that held no pair's token."""
+    return round(1 - counts["row_tokens"] / max(counts["positions"], 1), 4)
 
 
 def _follow(sess: Session, work: Path, start: int) -> None:
@@ -269,11 +273,6 @@ def _follow(sess: Session, work: Path, start: int) -> None:
     for step in range(start + 1, sess.total_steps + 1):
         sess.step(step)
     sess.shard.barrier()
-
-
-def _steps_per_epoch(sess: Session) -> int:
-    """Optimizer steps of one epoch: each takes the global batch; the remainder sits the epoch out (batch_schedule)."""
-    return max(1, len(sess.train) // (sess.s.batch_size * sess.s.grad_accum * sess.shard.size))
 
 
 def _update_best(index: dict[str, Any]) -> None:
@@ -288,7 +287,7 @@ def _prepare_workdir(work: Path, record: dict[str, Any], sess: Session) -> tuple
     """(the step to continue after, whether it resumed): the last checkpoint of an interrupted run with the same
     settings, else a clean start."""
     settings_path = work / "settings.json"
-    if work.exists() and settings_path.exists() and json.loads(settings_path.read_text()) == json.loads(json.dumps(record)):
+    if settings_path.exists() and json.loads(settings_path.read_text()) == json.loads(json.dumps(record)):
         index = read_index(work)
         # A checkpoint written just before a kill may be missing from index.json: resume from one that is in it.
         steps = [k for k in kept_steps(work) if str(k) in index["checkpoints"]]

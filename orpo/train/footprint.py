@@ -178,12 +178,6 @@ def measured_activations(model: Any, pairs: Pairs, engine: EngineSettings, lam: 
             "rows": rows, "width": width, "pairs": n}
 
 
-def memory_budget(engine: EngineSettings) -> int:
-    """Bytes a step may peak at: train.engine.memory_limit_gb where set, else the share of the device a run's
-    memory limit allows (orpo.train.memory.HEADROOM)."""
-    return int(engine.memory_limit_gb * GB) if engine.memory_limit_gb else int(HEADROOM * device_memory())
-
-
 def plan_memory(sess: Any, configured: EngineSettings) -> tuple[dict[str, int], dict[str, Any]]:
     """The memory plan (EngineSettings.memory_plan) for the values `configured` leaves `auto`, with its prediction.
 
@@ -194,7 +188,9 @@ def plan_memory(sess: Any, configured: EngineSettings) -> tuple[dict[str, int], 
     """
     auto = {k for k, v in configured.memory_plan.items() if v == "auto"}
     layers = max(1, getattr(sess.model.args, "num_hidden_layers", 1))
-    budget = memory_budget(sess.engine)
+    # What a step may peak at: train.engine.memory_limit_gb where set, else what the run's memory limit allows.
+    limit = sess.engine.memory_limit_gb
+    budget = int(limit * GB) if limit else int(HEADROOM * device_memory())
     # The rows do not depend on the plan: built once for every candidate.
     extent = widest_extent(sess)
     segments = [0, *range(max(1, layers // 2), 0, -1)] if "segment_layers" in auto else [sess.engine.segment_layers]

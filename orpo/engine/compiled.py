@@ -7,6 +7,7 @@ is the key a compiled function is kept by (docs/architecture.md, `compile`).
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable
+from dataclasses import fields
 from types import SimpleNamespace
 from typing import Any
 
@@ -38,12 +39,9 @@ def kept_count(owner: nn.Module) -> int:
     return len(_kept(owner))
 
 
-LAYOUT_FIELDS = ("tokens", "positions", "hidden_spans", "segments", "roles", "key_bounds")
-
-
 def layout_arrays(layout: Layout) -> tuple[tuple[Hashable, ...], dict[str, mx.array]]:
     """(structure key, arrays) of a layout: which fields are set and its SplitRows (the key), and the arrays."""
-    arrays = {f: getattr(layout, f) for f in LAYOUT_FIELDS if getattr(layout, f) is not None}
+    arrays = {k: v for k, v in vars(layout).items() if k != "split" and v is not None}
     return (*arrays, layout.split), arrays
 
 
@@ -54,19 +52,14 @@ def layout_from(structure: tuple[Hashable, ...], arrays: dict[str, mx.array]) ->
 
 def mask_arrays(masks: list[Any]) -> tuple[tuple[Hashable, ...], list[mx.array]]:
     """(kind key, arrays) of layer masks: "causal", None and SplitRows are keys; arrays, ExclusionMasks and
-    HiddenSpans arrays."""
+    HiddenSpans arrays (each mask's kind, first array and count in the key)."""
     spec: list[Hashable] = []
     arrays: list[mx.array] = []
     for m in masks:
-        if isinstance(m, ExclusionMask):
-            spec.append(("exclusion", len(arrays)))
-            arrays.extend([m.queries, m.keys])
-        elif isinstance(m, HiddenSpans):
-            spec.append(("spans", len(arrays)))
-            arrays.append(m.bounds)
-        elif isinstance(m, mx.array):
-            spec.append(("array", len(arrays)))
-            arrays.append(m)
+        if isinstance(m, (mx.array, ExclusionMask, HiddenSpans)):
+            parts = [m] if isinstance(m, mx.array) else [getattr(m, f.name) for f in fields(m)]
+            spec.append((type(m), len(arrays), len(parts)))
+            arrays.extend(parts)
         else:
             spec.append(m)
     return tuple(spec), arrays
@@ -76,12 +69,8 @@ def masks_from(spec: tuple[Hashable, ...], arrays: list[mx.array]) -> list[Any]:
     """The masks `mask_arrays` took apart."""
     out: list[Any] = []
     for s in spec:
-        if isinstance(s, tuple) and s[0] == "exclusion":
-            out.append(ExclusionMask(arrays[s[1]], arrays[s[1] + 1]))
-        elif isinstance(s, tuple) and s[0] == "spans":
-            out.append(HiddenSpans(arrays[s[1]]))
-        elif isinstance(s, tuple) and s[0] == "array":
-            out.append(arrays[s[1]])
-        else:
-            out.append(s)
+        if isinstance(s, tuple):
+            kind, first, n = s
+            s = arrays[first] if kind is mx.array else kind(*arrays[first:first + n])
+        out.append(s)
     return out

@@ -41,9 +41,7 @@ def accumulate_grads(micro_step: MicroStep, n: int, shares: list[mx.array] | Non
         running = (grads, total_metrics)
     mx.eval(running)
     sums.clear()
-    if shares is not None:
+    if shares is not None or n == 1:  # the sums are the step's mean already, or exactly the single batch's values
         return grads, total_metrics
-    if n == 1:
-        return grads, total_metrics  # exactly the single batch's values
     inv = 1.0 / n
     return tree_map(lambda g: g * inv, grads), {k: v * inv for k, v in total_metrics.items()}

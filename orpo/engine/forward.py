@@ -89,7 +89,6 @@ FAMILIES: dict[str, Family] = {
     "gemma3_text": Family(qk_norm="transposed", sandwich=True, residual=lambda x, y: gemma3_text.clip_residual(x, y),
                           model_reads=("sliding_window_pattern", "window_size")),
 }
-SUPPORTED = tuple(FAMILIES)
 
 
 def family_of(model: nn.Module) -> str:
@@ -98,7 +97,7 @@ def family_of(model: nn.Module) -> str:
     if family not in FAMILIES or not hasattr(model, "model"):
         kind = getattr(getattr(model, "args", None), "model_type", type(model).__name__)
         raise UnsupportedModel(f"train.engine: model type {kind!r} has no forward here "
-                               f"(supported: {', '.join(SUPPORTED)}, mistral); use the plain engine")
+                               f"(supported: {', '.join(FAMILIES)}, mistral); use the plain engine")
     return family
 
 

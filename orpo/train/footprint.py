@@ -59,8 +59,8 @@ def activation_bytes(args: Any, dtype: Any, rows: int, width: int, scored: int, 
     naive one's [tokens, V] logits in the model's dtype and twice in float32; the fused one's [chunk, V] float32
     blocks, about 8 in flight in one graph and 3 chunk by chunk under segments (tests/test_engine_head.py), plus
     a [V, H] float32 accumulator when it trains. Attention that is not fused (off CUDA) keeps float32
-    [rows, heads, width, width] probabilities per layer (CPU, one pair of 3 x 1024: predicted 1.5 GB, measured 1.19).
-    On CUDA, what the compiled step keeps beyond that (CUDA_EXTRA_LAYERS and the others above).
+    [rows, heads, width, width] probabilities per layer. On CUDA, what the compiled step keeps beyond that
+    (CUDA_EXTRA_LAYERS and the others above).
     """
     tokens = rows * width
     hidden = args.hidden_size

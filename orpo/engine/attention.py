@@ -123,19 +123,6 @@ def kernels_attend(head_dim: int, dtype: mx.Dtype) -> bool:
     return on_cuda() and spans_fit(head_dim, dtype)
 
 
-def tight_mask(spans: mx.array, length: int, head_dim: int, dtype: mx.Dtype) -> ExclusionMask | HiddenSpans:
-    """How rows with hidden spans attend here: the exclusion dims, or our kernels (`kernels_attend`)."""
-    if kernels_attend(head_dim, dtype):
-        return HiddenSpans(row_bounds(spans, length))
-    return exclusion_mask(spans, length, dtype)
-
-
-def packed_mask(segments: mx.array, roles: mx.array, bounds: mx.array, head_dim: int,
-                dtype: mx.Dtype) -> ExclusionMask | HiddenSpans:
-    """How packed rows attend here: the exclusion dims, or our kernels on the rows' key bounds (`kernels_attend`)."""
-    return HiddenSpans(bounds) if kernels_attend(head_dim, dtype) else packed_exclusion_mask(segments, roles, dtype)
-
-
 def span_attention(q: mx.array, k: mx.array, v: mx.array, scale: float, bounds: mx.array) -> mx.array:
     """Causal attention under key bounds [B, L, 3] (HiddenSpans) through our kernels: forward, and the ordered
     backward."""

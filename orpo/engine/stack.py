@@ -15,7 +15,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.base import create_attention_mask
 
-from orpo.engine.attention import CHOSEN, REJECTED, SplitRows, packed_mask, tight_mask
+from orpo.engine.attention import (CHOSEN, REJECTED, ExclusionMask, HiddenSpans, SplitRows, exclusion_mask,
+                                   kernels_attend, packed_exclusion_mask, row_bounds)
 from orpo.engine.forward import FAMILIES, check_mlx_lm, check_parts, family_of, run_layers
 from orpo.engine.mlp import mlp_of
 
@@ -55,6 +56,18 @@ class Layout:
     @property
     def plain(self) -> bool:
         return self.positions is None
+
+    def fused_mask(self, head_dim: int, dtype: mx.Dtype) -> SplitRows | HiddenSpans | ExclusionMask:
+        """How full attention runs fused on these rows: SplitRows where they are laid out for it, else our kernels
+        on each query's key bounds (`kernels_attend`), else the exclusion dims."""
+        length = self.tokens.shape[1]
+        if self.split is not None:
+            return self.split
+        if kernels_attend(head_dim, dtype):
+            return HiddenSpans(self.key_bounds if self.segments is not None else row_bounds(self.hidden_spans, length))
+        if self.segments is not None:
+            return packed_exclusion_mask(self.segments, self.roles, dtype)
+        return exclusion_mask(self.hidden_spans, length, dtype)
 
     def visible(self) -> mx.array:
         """[B, L, L] booleans: query q may attend to key k (causality included); built on the device."""
@@ -117,11 +130,7 @@ class Stack:
             if layout.plain:
                 built[w] = create_attention_mask(h, None, window_size=w, return_array=self.array_masks)
             elif w is None and not self.array_masks:
-                head_dim = head_dim_of(self.model)
-                if layout.segments is not None:
-                    built[w] = packed_mask(layout.segments, layout.roles, layout.key_bounds, head_dim, h.dtype)
-                else:
-                    built[w] = layout.split or tight_mask(layout.hidden_spans, h.shape[1], head_dim, h.dtype)
+                built[w] = layout.fused_mask(head_dim_of(self.model), h.dtype)
             else:
                 mask = layout.visible()
                 if w is not None:

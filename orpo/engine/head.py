@@ -178,9 +178,10 @@ def _grad_block(cap: float | None, float32: bool = False) -> Callable:
     return mx.compile(block)
 
 
-def _logp_chunks(head: LMHead, h: mx.array, targets: mx.array, chunk: int, forward: Callable,
+def _logp_chunks(head: LMHead, h: mx.array, targets: mx.array, chunk: int,
                  queue: EvalQueue | None) -> tuple[mx.array, mx.array]:
     """(logp, logsumexp) [M] chunk by chunk: chained for a lazy graph (queue None), or each chunk pushed to `queue`."""
+    forward = _forward_block(head.softcap)
     logp, lse = [], []
     for s in range(0, h.shape[0], chunk):
         x = head.project(h[s : s + chunk] if queue is not None else after(h[s : s + chunk], logp[-1:] + lse[-1:]))
@@ -247,7 +248,6 @@ def _fused(head: LMHead, chunk: int) -> Callable:
     them to the weight's other uses (a tied embedding's lookup).
     """
     head = head.dequantized()
-    forward = _forward_block(head.softcap)
     params = [head.weight, *([] if head.bias is None else [head.bias])] if head.trainable else []
 
     def bound(params: list[mx.array]) -> LMHead:
@@ -255,7 +255,7 @@ def _fused(head: LMHead, chunk: int) -> Callable:
 
     @mx.custom_function
     def logp_lse(h: mx.array, targets: mx.array, *params: mx.array) -> tuple[mx.array, mx.array]:
-        return _logp_chunks(bound(params), h, targets, chunk, forward, None)
+        return _logp_chunks(bound(params), h, targets, chunk, None)
 
     @logp_lse.vjp
     def logp_lse_vjp(primals, cotangents, outputs):
@@ -276,7 +276,7 @@ def fused_logp_eager(head: LMHead, h: mx.array, targets: mx.array, chunk: int,
     `overlap` chunks in flight at once; grad_fn(g) maps a cotangent on logp [M] to HeadGrads, also chunk by chunk.
     """
     chunk, head = chunk_for(head.vocab_size, chunk), head.dequantized()
-    logp, lse = _logp_chunks(head, h, targets, chunk, _forward_block(head.softcap), EvalQueue(overlap))
+    logp, lse = _logp_chunks(head, h, targets, chunk, EvalQueue(overlap))
 
     def grad_fn(g: mx.array) -> HeadGrads:
         g = g.astype(mx.float32)

@@ -501,9 +501,17 @@ def pad_head_dim(x: mx.array, to: int) -> mx.array:
     return x if extra == 0 else mx.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, extra)])
 
 
-def _template(dtype: mx.Dtype, dk: int, dv: int, causal: bool) -> list:
-    return [("T", dtype), ("DK", dk), ("DV", dv), ("CAUSAL", causal), ("DQ_ROWS", DQ_ROWS), ("DQ_KEYS", DQ_KEYS),
-            ("KV_KEYS", KV_KEYS), ("KV_ROWS", KV_ROWS)]
+def _launch(kernel: int, inputs: list[mx.array], causal: bool, blocks: int, output_shapes: list[tuple[int, ...]],
+            output_dtypes: list[mx.Dtype]) -> list[mx.array]:
+    """Kernel `kernel` of `_kernels` on `inputs` (q, k, v first, head dims multiples of 16), `blocks` thread blocks
+    for each query head of each row."""
+    q, v = inputs[0], inputs[2]
+    b, h, _, dk = q.shape
+    template = [("T", q.dtype), ("DK", dk), ("DV", v.shape[-1]), ("CAUSAL", causal), ("DQ_ROWS", DQ_ROWS),
+                ("DQ_KEYS", DQ_KEYS), ("KV_KEYS", KV_KEYS), ("KV_ROWS", KV_ROWS)]
+    return _kernels(dk, v.shape[-1], q.dtype.size)[kernel](
+        inputs=inputs, template=template, grid=(blocks * THREADS, h, b), threadgroup=(THREADS, 1, 1),
+        output_shapes=output_shapes, output_dtypes=output_dtypes)
 
 
 def no_bounds(batch: int, length: int) -> mx.array:
@@ -522,11 +530,9 @@ def dq_and_lse(q: mx.array, k: mx.array, v: mx.array, dout: mx.array, delta: mx.
     """The dQ kernel on head dims already multiples of 16: dq like q, and each row's log-sum-exp [B, H, L] (base
     2, of scale * log2(e) * scores) for `dk_and_dv`. `delta` [B, H, L] float32, `bounds` [B, L, 3] int32 (as
     `flash_forward` takes them), `scale` a float32 [1]."""
-    b, h, length, dk = q.shape
-    return _kernels(dk, v.shape[-1], q.dtype.size)[0](
-        inputs=[q, k, v, dout, delta, bounds, scale], template=_template(q.dtype, dk, v.shape[-1], causal),
-        grid=(-(-length // DQ_ROWS) * THREADS, h, b), threadgroup=(THREADS, 1, 1),
-        output_shapes=[q.shape, (b, h, length)], output_dtypes=[q.dtype, mx.float32])
+    b, h, length, _ = q.shape
+    return _launch(0, [q, k, v, dout, delta, bounds, scale], causal, -(-length // DQ_ROWS),
+                   [q.shape, (b, h, length)], [q.dtype, mx.float32])
 
 
 def dk_and_dv(q: mx.array, k: mx.array, v: mx.array, dout: mx.array, delta: mx.array, lse: mx.array,
@@ -535,10 +541,8 @@ def dk_and_dv(q: mx.array, k: mx.array, v: mx.array, dout: mx.array, delta: mx.a
     query head (float32 shares), a key head's shares then summed in head order."""
     b, kvh, keys, dk = k.shape
     h = q.shape[1]
-    parts = _kernels(dk, v.shape[-1], q.dtype.size)[1](
-        inputs=[q, k, v, dout, delta, lse, bounds, scale], template=_template(q.dtype, dk, v.shape[-1], causal),
-        grid=(-(-keys // KV_KEYS) * THREADS, h, b), threadgroup=(THREADS, 1, 1),
-        output_shapes=[(b, h, keys, dk), (b, h, keys, v.shape[-1])], output_dtypes=[mx.float32, mx.float32])
+    parts = _launch(1, [q, k, v, dout, delta, lse, bounds, scale], causal, -(-keys // KV_KEYS),
+                    [(b, h, keys, dk), (b, h, keys, v.shape[-1])], [mx.float32, mx.float32])
 
     def summed(x: mx.array, dtype: mx.Dtype) -> mx.array:
         x = x.reshape(b, kvh, h // kvh, *x.shape[2:])
@@ -556,11 +560,9 @@ def flash_forward(q: mx.array, k: mx.array, v: mx.array, scale: float, causal: b
     bounds[b, i, 1] .. bounds[b, i, 2] - 1 (prefix rows: rejected blind to chosen); `no_bounds` hides nothing.
     [B, H, L, D] like q."""
     qp, kp, vp = _padded(q, k, v)
-    b, h, length, dk = qp.shape
-    out = _kernels(dk, vp.shape[-1], q.dtype.size)[2](
-        inputs=[qp, kp, vp, bounds, mx.array([scale], mx.float32)],
-        template=_template(q.dtype, dk, vp.shape[-1], causal), grid=(-(-length // DQ_ROWS) * THREADS, h, b),
-        threadgroup=(THREADS, 1, 1), output_shapes=[(b, h, length, vp.shape[-1])], output_dtypes=[q.dtype])[0]
+    b, h, length, _ = qp.shape
+    out = _launch(2, [qp, kp, vp, bounds, mx.array([scale], mx.float32)], causal, -(-length // DQ_ROWS),
+                  [(b, h, length, vp.shape[-1])], [q.dtype])[0]
     return out[..., :v.shape[-1]]
 
 

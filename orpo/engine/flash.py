@@ -104,7 +104,7 @@ __device__ __forceinline__ void fab_load_async(T* dst, const T* src, int first, 
 
 // s[N/8][4] = A (16 rows of a [.., D] tile) * B^T (N rows of a [.., D] tile): a warp's 16 x N scores.
 template <typename T, int D, int N>
-__device__ __forceinline__ void fab_scores(float (*s)[4], const T* a, const T* b, int g, int t) {
+__device__ __forceinline__ void fab_scores(float (*s)[4], const T* a, const T* b) {
   constexpr int SD = D + FAB_PAD;
   const int lane = threadIdx.x & 31;
 #pragma unroll
@@ -133,7 +133,7 @@ __device__ __forceinline__ bool fab_sees(int r, int key, int L, int S, int offse
 
 // acc[D/8][4] += P (the warp's 16 x K, as score fragments) * M (K rows of a [.., D] tile).
 template <typename T, int D, int K>
-__device__ __forceinline__ void fab_accumulate(float (*acc)[4], const float (*p)[4], const T* m, int g, int t) {
+__device__ __forceinline__ void fab_accumulate(float (*acc)[4], const float (*p)[4], const T* m) {
   constexpr int SD = D + FAB_PAD;
   const int lane = threadIdx.x & 31;
 #pragma unroll
@@ -194,7 +194,7 @@ __device__ __forceinline__ void fab_softmax_block(float (*s)[4], float* m, float
 template <typename T, int DK, int BC, bool CAUSAL>
 __device__ __forceinline__ void fab_rows_lse(float* lse, const T* sQw, T* sK, const T* kg, const int* row,
                                              const int (*bd)[3], int L, int S, int offset, int kfirst, int kend,
-                                             float sl, int g, int t) {
+                                             float sl, int t) {
   constexpr int SK = DK + FAB_PAD;
   float m[2] = {fab_neg_inf(), fab_neg_inf()}, l[2] = {0.f, 0.f}, alpha[2];
   float s[BC / 8][4];
@@ -211,7 +211,7 @@ __device__ __forceinline__ void fab_rows_lse(float* lse, const T* sQw, T* sK, co
       fab_wait<0>();
     }
     __syncthreads();
-    fab_scores<T, DK, BC>(s, sQw, sK + (j & 1) * BC * SK, g, t);
+    fab_scores<T, DK, BC>(s, sQw, sK + (j & 1) * BC * SK);
     fab_softmax_block<BC, CAUSAL>(s, m, l, alpha, row, bd, k0, L, S, offset, sl, t);
     __syncthreads();  // the next copy overwrites this block's buffer
   }
@@ -225,7 +225,8 @@ __device__ __forceinline__ void fab_rows_lse(float* lse, const T* sQw, T* sK, co
 """
 
 # The query-block kernels' indices: this block's queries, head, row, key head; the warp's rows and their key
-# bounds; the first key block any of the block's rows sees (packed rows skip the earlier pairs' keys).
+# bounds; the first key block any of the block's rows sees (packed rows skip the earlier pairs' keys), the key
+# blocks from there (on the row's K and V) and the block's queries, loaded into sQ.
 _QUERY_BLOCK = r"""  const int H = q_shape[1], L = q_shape[2], KVH = k_shape[1], S = k_shape[2];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane >> 2, t = lane & 3;
   // Causal: the last query blocks see the most keys; blocks start in order of x, so they take x = 0 first.
@@ -245,6 +246,11 @@ _QUERY_BLOCK = r"""  const int H = q_shape[1], L = q_shape[2], KVH = k_shape[1],
   if (threadIdx.x < BR && q0 + threadIdx.x < L) atomicMin(&fab_lo, bounds[((size_t)b * L + q0 + threadIdx.x) * 3]);
   __syncthreads();
   const int kfirst = fab_lo / BC * BC;
+  const int kend = CAUSAL ? min(S, q0 + BR + offset) : S;
+  const int blocks = (kend - kfirst + BC - 1) / BC;
+  const T* kg = k + bkv * S * DK;
+  const T* vg = v + bkv * S * DV;
+  fab_load<T, DK>(sQ, q + bh * L * DK, q0, BR, L);
 """
 
 # The walk over key blocks from kfirst (the forward's, and the dQ kernel's pass 2), K and V double-buffered: block
@@ -274,27 +280,19 @@ _DQ_SOURCE = r"""
   T* sK = sO + BR * SV;  // two key blocks: the one read and the next, copied meanwhile
   T* sV = sK + 2 * BC * SK;
 """ + _QUERY_BLOCK + r"""
-  fab_load<T, DK>(sQ, q + bh * L * DK, q0, BR, L);
   fab_load<T, DV>(sO, dout + bh * L * DV, q0, BR, L);
-  const int kend = CAUSAL ? min(S, q0 + BR + offset) : S;
-  float s[BC / 8][4], dp[BC / 8][4];
-  const T* kg = k + bkv * S * DK;
-  const T* vg = v + bkv * S * DV;
-  const int blocks = (kend - kfirst + BC - 1) / BC;
-  float lse[2], dl[2];
-  fab_rows_lse<T, DK, BC, CAUSAL>(lse, sQ + warp * 16 * SK, sK, kg, row, bd, L, S, offset, kfirst, kend, sl, g, t);
+  float s[BC / 8][4], dp[BC / 8][4], lse[2], dl[2];
+  fab_rows_lse<T, DK, BC, CAUSAL>(lse, sQ + warp * 16 * SK, sK, kg, row, bd, L, S, offset, kfirst, kend, sl, t);
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
     dl[i] = row[i] < L ? delta[bh * L + row[i]] : 0.f;
     if (t == 0 && row[i] < L) lse_out[bh * L + row[i]] = lse[i];
   }
-  float acc[DK / 8][4];
-#pragma unroll
-  for (int n = 0; n < DK / 8; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;
+  float acc[DK / 8][4] = {};
 """ + _KEY_BLOCKS + r"""
     const T* cK = sK + (j & 1) * BC * SK;
-    fab_scores<T, DK, BC>(s, sQ + warp * 16 * SK, cK, g, t);
-    fab_scores<T, DV, BC>(dp, sO + warp * 16 * SV, sV + (j & 1) * BC * SV, g, t);
+    fab_scores<T, DK, BC>(s, sQ + warp * 16 * SK, cK);
+    fab_scores<T, DV, BC>(dp, sO + warp * 16 * SV, sV + (j & 1) * BC * SV);
 #pragma unroll
     for (int n = 0; n < BC / 8; ++n)
 #pragma unroll
@@ -304,7 +302,7 @@ _DQ_SOURCE = r"""
         float p = ok ? exp2f(s[n][e] * sl - lse[e >> 1]) : 0.f;
         s[n][e] = p * (dp[n][e] - dl[e >> 1]);
       }
-    fab_accumulate<T, DK, BC>(acc, s, cK, g, t);
+    fab_accumulate<T, DK, BC>(acc, s, cK);
     __syncthreads();
   }
   const float sc = scale[0];
@@ -327,16 +325,9 @@ _FORWARD_SOURCE = r"""
   T* sK = sQ + BR * SK;  // two key blocks (and their values): the one read and the next, copied meanwhile
   T* sV = sK + 2 * BC * SK;
 """ + _QUERY_BLOCK + r"""
-  fab_load<T, DK>(sQ, q + bh * L * DK, q0, BR, L);
-  const int kend = CAUSAL ? min(S, q0 + BR + offset) : S;
-  const T* kg = k + bkv * S * DK;
-  const T* vg = v + bkv * S * DV;
-  const int blocks = (kend - kfirst + BC - 1) / BC;
-  float m[2] = {fab_neg_inf(), fab_neg_inf()}, l[2] = {0.f, 0.f}, alpha[2], s[BC / 8][4], acc[DV / 8][4];
-#pragma unroll
-  for (int n = 0; n < DV / 8; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;
+  float m[2] = {fab_neg_inf(), fab_neg_inf()}, l[2] = {0.f, 0.f}, alpha[2], s[BC / 8][4], acc[DV / 8][4] = {};
 """ + _KEY_BLOCKS + r"""
-    fab_scores<T, DK, BC>(s, sQ + warp * 16 * SK, sK + (j & 1) * BC * SK, g, t);
+    fab_scores<T, DK, BC>(s, sQ + warp * 16 * SK, sK + (j & 1) * BC * SK);
     fab_softmax_block<BC, CAUSAL>(s, m, l, alpha, row, bd, k0, L, S, offset, sl, t);
 #pragma unroll
     for (int n = 0; n < DV / 8; ++n) {
@@ -345,7 +336,7 @@ _FORWARD_SOURCE = r"""
       acc[n][2] *= alpha[1];
       acc[n][3] *= alpha[1];
     }
-    fab_accumulate<T, DV, BC>(acc, s, sV + (j & 1) * BC * SV, g, t);
+    fab_accumulate<T, DV, BC>(acc, s, sV + (j & 1) * BC * SV);
     __syncthreads();
   }
 #pragma unroll
@@ -381,11 +372,7 @@ _DKV_SOURCE = r"""
   fab_load<T, DV>(sV, v + bkv * S * DV, k0, BC, S);
   const int key[2] = {k0 + warp * 16 + g, k0 + warp * 16 + g + 8};
   const int qfirst = CAUSAL ? max(0, k0 - offset) / BR * BR : 0;
-  float dk[DK / 8][4], dv[DV / 8][4], s[BR / 8][4], dp[BR / 8][4];
-#pragma unroll
-  for (int n = 0; n < DK / 8; ++n) dk[n][0] = dk[n][1] = dk[n][2] = dk[n][3] = 0.f;
-#pragma unroll
-  for (int n = 0; n < DV / 8; ++n) dv[n][0] = dv[n][1] = dv[n][2] = dv[n][3] = 0.f;
+  float dk[DK / 8][4] = {}, dv[DV / 8][4] = {}, s[BR / 8][4], dp[BR / 8][4];
   const int blocks = (L - qfirst + BR - 1) / BR;
   auto copy_block = [&](int j) {
     const int q0 = qfirst + j * BR, buf = j & 1;
@@ -424,8 +411,8 @@ _DKV_SOURCE = r"""
       __syncthreads();
       continue;
     }
-    fab_scores<T, DK, BR>(s, sK + warp * 16 * SK, cQ, g, t);
-    fab_scores<T, DV, BR>(dp, sV + warp * 16 * SV, cO, g, t);
+    fab_scores<T, DK, BR>(s, sK + warp * 16 * SK, cQ);
+    fab_scores<T, DV, BR>(dp, sV + warp * 16 * SV, cO);
 #pragma unroll
     for (int n = 0; n < BR / 8; ++n)
 #pragma unroll
@@ -436,8 +423,8 @@ _DKV_SOURCE = r"""
         s[n][e] = p;
         dp[n][e] = p * (dp[n][e] - cD[c]);
       }
-    fab_accumulate<T, DV, BR>(dv, s, cO, g, t);
-    fab_accumulate<T, DK, BR>(dk, dp, cQ, g, t);
+    fab_accumulate<T, DV, BR>(dv, s, cO);
+    fab_accumulate<T, DK, BR>(dk, dp, cQ);
     __syncthreads();  // the next copy overwrites this block's buffers
   }
   const float sc = scale[0];

@@ -69,7 +69,7 @@ ENGINES = {name: resolved({**PLAIN, **e}) for name, e in {
     "all_compiled_mlp_chunks_2": {"head": "fused", "head_chunk": 7, "segment_layers": 1, "prefix_sharing": True,
                                   "compile": True, "overlap": 1, "mlp_chunks": 2},
     # Gated MLPs keeping gate and up alone (orpo.engine.mlp): plain, compiled, and segmented in MLP chunks.
-    "gated_mlp": {"gated_mlp": True},
+    "fused_gated_mlp": {"head": "fused", "head_chunk": 7, "gated_mlp": True},  # the plain path runs mlx-lm's model
     "prefix_compiled_gated_mlp": {"prefix_sharing": True, "compile": True, "gated_mlp": True},
     "all_compiled_mlp_chunks_2_gated": {"head": "fused", "head_chunk": 7, "segment_layers": 1, "prefix_sharing": True,
                                         "compile": True, "mlp_chunks": 2, "gated_mlp": True},
@@ -246,6 +246,18 @@ def test_segmented_recompute_redraws_the_dropout_masks(engine):
     diffs = [np.linalg.norm(np.array(other[k]) - np.array(w)) / np.linalg.norm(np.array(w))
              for k, w in tree_flatten(want[1])]
     assert max(diffs) > max(0.2, 10 * GRAD_TOL)
+
+
+@pytest.mark.parametrize("engine", ["fused_gated_mlp", "prefix_compiled_gated_mlp"])
+def test_gated_mlps_recompute_through_the_same_dropout_masks(engine):
+    """LoRA dropout 0.3 on down_proj: the gated backward recomputes down's input under the same keyed masks, so the
+    step equals mlx-lm's MLPs' with the same masks (test_segmented_recompute_redraws_the_dropout_masks shows
+    that other masks move the gradients far beyond the tolerance)."""
+    model, _ = lora_model("llama", dropout=0.3)
+    pairs = random_pairs(2, 3)
+    settings = ENGINES[engine]
+    assert_close(pair_value_and_grad(model, pairs, LAM, settings),
+                 pair_value_and_grad(model, pairs, LAM, dataclasses.replace(settings, gated_mlp=False)))
 
 
 def test_unshared_prompts_fall_back_are_counted_and_stay_exact():

@@ -377,8 +377,8 @@ def test_a_planned_run_recomputes_only_the_micro_batches_the_plain_backward_does
 def test_the_cuda_estimate_covers_every_step_measured_on_a_gpu():
     """The activation estimate as CUDA computes it against bench/memory_model.py's measurements on a GPU
     (bench/runs/2026-12-06-h100: 1B and 7B geometries, 2 to 32 layers, LoRA and full, plain and segmented; and
-    2026-12-07-h100's packed rows, gated MLPs): never short of a measured step (a plan that fits on paper fits
-    there), and within 3x of it."""
+    2026-12-07-h100's packed rows, gated MLPs, 16 layers): never short of a measured step (a plan that fits on paper
+    fits there), and within 3x of it."""
     import sys
     from types import SimpleNamespace
 
@@ -390,7 +390,8 @@ def test_the_cuda_estimate_covers_every_step_measured_on_a_gpu():
     shapes = {"h200": LLAMA_1B, "mistral-7b": MISTRAL_7B}
     runs = Path(__file__).resolve().parents[1] / "bench" / "runs"
     files = [*sorted((runs / "2026-12-06-h100").glob("memory-model-*.json")),
-             runs / "2026-12-07-h100" / "memory-model-packed-gated-after-fix.json"]
+             *(runs / "2026-12-07-h100" / f for f in ("memory-model-packed-gated-after-fix.json",
+                                                       "memory-model-1b-full-depth-packed.json"))]
     rows = [r for f in files for r in json.loads(f.read_text())["rows"]]
     assert len(rows) >= 40 and {r["geometry"] for r in rows} == set(shapes) and any(r.get("pack_width") for r in rows)
     for r in rows:

@@ -220,8 +220,8 @@ def test_gated_mlps_keep_gate_and_up_alone_for_the_backward():
     """A stack of Llama MLPs (residual, down_proj trainable: its gradient reads the activation's product) through
     mlp.mlp_of: the same loss and gradients as mlx-lm's own MLPs, and each layer keeps at least 2 [tokens,
     intermediate] arrays less for the backward, eager and under mx.compile (the slope of the peak from 6 to 12
-    layers: below 6 the backend's queued work makes it uneven); every supported family's MLP takes its gated
-    activation, any other module is left as it is."""
+    layers, on the CPU: below 6 the backend's queued work makes it uneven); every supported family's MLP takes its
+    gated activation, any other module is left as it is."""
     from types import SimpleNamespace
 
     from mlx.utils import tree_flatten
@@ -259,7 +259,9 @@ def test_gated_mlps_keep_gate_and_up_alone_for_the_backward():
     tol = 2e-3 if ON_GPU else 1e-5  # a GPU's float32 products round their inputs to tf32, in another order here
     for (name, a), (_, b) in zip(theirs[2], ours[2]):
         assert np.allclose(np.array(a), np.array(b), rtol=10 * tol, atol=tol * float(mx.abs(a).max())), name
-    for compiled in (False, True):
+    # Not on a GPU: CUDA's peak also counts queued work's buffers, which at these shapes swamps a layer's arrays (the
+    # same MLPs measured 2.4 to 14.4 a layer across processes there); bench/ measures the saving at real shapes.
+    for compiled in () if ON_GPU else (False, True):
         per_layer = {o: (run(12, o, compiled)[0] - run(6, o, compiled)[0]) / 6 for o in (False, True)}
         assert per_layer[False] - per_layer[True] >= 2, (compiled, per_layer)
     for family in FAMILIES:

@@ -44,6 +44,8 @@ def test_auto_is_decided_once_for_the_run():
     assert e.resolved and e.compile is False and e.prefix_sharing is True and e.width_multiple == 0  # the CPU
     assert resolve_engine(train_settings({"engine": {"compile": True, "width_multiple": 24}}).engine).compile is True
     assert e.attention_backward == "fused"  # the CPU's backward sums in order; a GPU's auto is "ordered"
+    assert e.gated_mlp is False  # slower on the CPU; CUDA's auto is on
+    assert resolve_engine(train_settings({"engine": {"gated_mlp": True}}).engine).gated_mlp is True
 
 
 def test_a_record_from_before_attention_backward_replays_as_it_ran(two_forward_run, tiny_base, short, tmp_path):

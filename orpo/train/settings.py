@@ -44,7 +44,7 @@ class EngineSettings:
     prefix_sharing: bool | str
     prefix_attention: str
     attention_backward: str
-    gated_mlp: bool
+    gated_mlp: bool | str
     width_multiple: int
     pack_width: int | str
     pack_rows: int | str
@@ -56,8 +56,8 @@ class EngineSettings:
     @property
     def resolved(self) -> bool:
         """Whether the machine's choices are made (no `auto` left that the step would have to decide)."""
-        return "auto" not in (self.prefix_sharing, self.compile, self.attention_backward, self.pack_width,
-                              self.pack_rows, *self.memory_plan.values())
+        return "auto" not in (self.prefix_sharing, self.compile, self.attention_backward, self.gated_mlp,
+                              self.pack_width, self.pack_rows, *self.memory_plan.values())
 
     @property
     def memory_plan(self) -> dict[str, int | str]:

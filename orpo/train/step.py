@@ -44,6 +44,8 @@ def resolve_engine(engine: EngineSettings) -> EngineSettings:
         "prefix_sharing": True,
         # ordered where the fused backward sums with atomics (a GPU), so replay is bit-exact
         "attention_backward": "ordered" if on_gpu() else "fused",
+        # less memory at equal or better speed on CUDA; slower on the CPU, where the recompute's sigmoid is the cost
+        "gated_mlp": on_cuda(),
         "segment_layers": 0, "segment_min_positions": 0, "mlp_chunks": 1, "pack_width": 0, "pack_rows": 1,
     }
     return dataclasses.replace(engine, **{k: v for k, v in choices.items() if getattr(engine, k) == "auto"},

@@ -68,8 +68,9 @@ ENGINES = {name: resolved({**PLAIN, **e}) for name, e in {
     "segments_1_mlp_chunks_3": {"segment_layers": 1, "mlp_chunks": 3},
     "all_compiled_mlp_chunks_2": {"head": "fused", "head_chunk": 7, "segment_layers": 1, "prefix_sharing": True,
                                   "compile": True, "overlap": 1, "mlp_chunks": 2},
-    # Gated MLPs keeping gate and up alone (orpo.engine.mlp): plain, compiled, and segmented in MLP chunks.
-    "fused_gated_mlp": {"head": "fused", "head_chunk": 7, "gated_mlp": True},  # the plain path runs mlx-lm's model
+    # Gated MLPs keeping gate and up alone (orpo.engine.mlp): eager, compiled, and segmented in MLP chunks; each with
+    # the fused head, as the plain path runs mlx-lm's own model.
+    "fused_gated_mlp": {"head": "fused", "head_chunk": 7, "gated_mlp": True},
     "prefix_compiled_gated_mlp": {"prefix_sharing": True, "compile": True, "gated_mlp": True},
     "all_compiled_mlp_chunks_2_gated": {"head": "fused", "head_chunk": 7, "segment_layers": 1, "prefix_sharing": True,
                                         "compile": True, "mlp_chunks": 2, "gated_mlp": True},

@@ -109,7 +109,8 @@ def test_lora_trains_on_the_quantized_base_and_replays_bit_exactly(quantized, ti
     assert counts[0] > 0
 
 
-@pytest.mark.parametrize("engine", ["all", "all_compiled_ordered", "all_compiled_mlp_chunks_2"])
+@pytest.mark.parametrize("engine", ["all", "all_compiled_ordered", "all_compiled_mlp_chunks_2", "prefix_compiled_gated_mlp",
+                                    "all_compiled_mlp_chunks_2_gated"])
 def test_lora_on_a_quantized_base_equals_the_naive_path(engine):
     """The oracle ladder's top rungs on a 4-bit model (its embedding and head too): the engine's loss and LoRA
     gradients match the naive two-forward ORPO on the same quantized weights."""

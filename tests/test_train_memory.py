@@ -382,7 +382,7 @@ def test_the_cuda_estimate_covers_every_step_measured_on_a_gpu():
     import sys
     from types import SimpleNamespace
 
-    from orpo.train.footprint import GB, activation_bytes
+    from orpo.train.footprint import GB, activation_bytes, packed_extent
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
     from engine_shapes import LLAMA_1B, MISTRAL_7B
@@ -398,8 +398,9 @@ def test_the_cuda_estimate_covers_every_step_measured_on_a_gpu():
         shape = shapes[r["geometry"]]
         args = SimpleNamespace(**{**shape.llama_config(), "num_hidden_layers": r["layers"]})
         engine = {"segment_layers": r["segment_layers"], "mlp_chunks": 1, "head": "fused", "head_chunk": 0}
-        # every response token of a pair's chosen and rejected; in packed rows every position, as the planner counts
-        scored = r["rows"] * r["width"] if r.get("pack_width") else r["pairs"] * 2 * shape.response
+        # every response token of a pair's chosen and rejected; packed rows counted as the planner counts them
+        scored = (packed_extent(SimpleNamespace(pack_rows=r["rows"], pack_width=r["width"]))[2] if r.get("pack_width")
+                  else r["pairs"] * 2 * shape.response)
         estimate = activation_bytes(args, mx.bfloat16, r["rows"], r["width"], scored, engine, r["method"] == "full",
                                     cuda=True) / GB
         assert r["measured_gb"] <= estimate <= 3 * r["measured_gb"], (r, estimate)

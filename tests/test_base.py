@@ -51,25 +51,6 @@ def test_tokenizer_round_trips_the_data(tiny_raw):
     assert mx.array(tok.encode(texts[0]).ids).size < len(texts[0])
 
 
-def test_deterministic_embedding_matches_the_lookup_in_value_and_gradient():
-    import mlx.nn as nn
-    import numpy as np
-
-    from orpo.base.model import DeterministicEmbedding
-
-    from conftest import MATMUL_TOL
-
-    plain = nn.Embedding(50, 8)
-    onehot = DeterministicEmbedding(50, 8)
-    onehot.weight = plain.weight
-    x = mx.array([[3, 7, 7, 49], [0, 3, 1, 2]])
-    assert mx.array_equal(plain(x), onehot(x)).item()
-    cot = mx.random.normal((2, 4, 8), key=mx.random.key(0))
-    g_plain = nn.value_and_grad(plain, lambda m: (m(x) * cot).sum())(plain)[1]["weight"]
-    g_onehot = nn.value_and_grad(onehot, lambda m: (m(x) * cot).sum())(onehot)[1]["weight"]
-    np.testing.assert_allclose(np.array(g_onehot), np.array(g_plain), rtol=100 * MATMUL_TOL, atol=MATMUL_TOL)
-
-
 def test_raw_rows_are_read_in_every_form_curate_takes(tiny_raw, tmp_path):
     """data.raw as a folder, a .parquet file or binarized rows: the base stage reads what curate reads (one
     reader); a malformed line is skipped (and counted) under curate's on_error: skip, named otherwise."""

@@ -20,6 +20,7 @@ from mlx_lm.models import llama
 from mlx_lm.utils import save_config, save_model
 
 from orpo.base.tokenizer import CHAT_TEMPLATE, EOS_TOKEN, save_tokenizer, train_bpe
+from orpo.engine.embedding import with_summed_embeddings
 from orpo.folders import mark_complete
 from orpo.io import InputError, atomic_path, write_json
 from orpo.rows import iter_items
@@ -145,32 +146,6 @@ def model_args(s: BaseSettings, vocab_size: int, eos_id: int) -> dict[str, Any]:
     }
 
 
-@mx.custom_function
-def _lookup(weight: mx.array, ids: mx.array) -> mx.array:
-    return weight[ids]
-
-
-@_lookup.vjp
-def _lookup_vjp(primals: tuple[mx.array, mx.array], cotangent: mx.array, output: mx.array) -> tuple[mx.array, mx.array]:
-    weight, ids = primals
-    flat = ids.reshape(-1)
-    onehot = (flat[:, None] == mx.arange(weight.shape[0])).astype(cotangent.dtype)
-    return onehot.T @ cotangent.reshape(flat.size, -1), mx.zeros_like(ids)
-
-
-class DeterministicEmbedding(nn.Embedding):
-    """An exact lookup whose gradient is a one-hot matmul instead of a scatter-add.
-
-    CUDA's scatter-add accumulates with atomics, so a plain lookup's gradient (and every weight after the
-    first step) differs from run to run on a GPU; a matmul sums in a fixed order. The forward stays an
-    exact lookup (a one-hot matmul forward would be rounded to TF32 on CUDA). Same parameter name, so
-    the saved folder is unchanged.
-    """
-
-    def __call__(self, x: mx.array) -> mx.array:
-        return _lookup(self.weight, x)
-
-
 def lm_loss(model: nn.Module, chunk: mx.array) -> mx.array:
     """Mean next-token cross-entropy over a packed [B, T+1] chunk (no padding anywhere)."""
     logits = model(chunk[:, :-1]).astype(mx.float32)
@@ -206,9 +181,8 @@ def build_base(raw_path: str | Path, out_dir: str | Path, settings: BaseSettings
     mx.random.seed(s.seed)
     config = model_args(s, tok.get_vocab_size(), eos_id)
     model = llama.Model(llama.ModelArgs.from_dict(config))
-    embed = DeterministicEmbedding(*model.model.embed_tokens.weight.shape)
-    embed.weight = model.model.embed_tokens.weight
-    model.model.embed_tokens = embed
+    # Its gradient sums a token's rows in a fixed order: the warm-up gives the same weights on a GPU run to run.
+    with_summed_embeddings(model)
     mx.eval(model.parameters())
     n_params = sum(v.size for _, v in tree_flatten(model.parameters()))
 

@@ -45,9 +45,7 @@ class Progress:
         elapsed = self.clock() - self.t0
         loop = m.get("elapsed_s", elapsed)  # the training loop's own clock, when the trainer gives it
         fields = {"loss": f"{m['loss']:.4f}", "acc": f"{m['accuracy']:.2f}", "margin": f"{m['margin']:+.3f}",
-                  "lr": f"{m['lr']:.2e}"}
-        if "active_memory_mb" in m:
-            fields["mem"] = f"{m['active_memory_mb']:,.0f} MB"
+                  "lr": f"{m['lr']:.2e}", "mem": f"{m['active_memory_mb']:,.0f} MB"}
         return line("step", m["step"], self.total, fields, m.get("tokens_per_s"), elapsed,
                     eta(loop, m["step"] - self.start, self.total - m["step"]))
 

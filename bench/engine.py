@@ -40,11 +40,12 @@ from engine_shapes import (
     format_table,
     random_pair_tokens,
     ratio_checks,
+    warn_busy_device,
 )
 
 from orpo.blas import reexec_with_openblas
 from orpo.config import section_defaults
-from orpo.device import cuda_available
+from orpo.device import cuda_available, cuda_pool_memory
 from orpo.train.data import Pairs
 
 from orpo.engine.head import fused_logp, fused_logp_eager, lm_head_of
@@ -191,6 +192,24 @@ def probe(dtype: str, timeout: int) -> float | None:
         return None
 
 
+def write_model(shape: Shape, out: Path, seed: int, config: dict[str, Any]) -> None:
+    """build_model's random-init model of `shape` as an HF-style folder (`config` is its config.json), written by a
+    fresh process: MLX keeps the buffers it frees cached, so a parent that built the model would hold its device
+    memory (the float32 init too) beside every run it starts."""
+    spec = {"shape": shape.__dict__, "out": str(out), "seed": seed, "config": config}
+    subprocess.run([sys.executable, str(Path(__file__).resolve()), "--write-model", json.dumps(spec)], check=True,
+                   cwd=ROOT)
+
+
+def write_model_here(spec: dict[str, Any]) -> None:
+    """write_model's work, in this process."""
+    from mlx_lm.utils import save_config, save_model
+
+    out = Path(spec["out"])
+    save_model(out, build_model(Shape(**spec["shape"]), spec["seed"]))
+    save_config(spec["config"], out / "config.json")
+
+
 def mfu(shape: dict[str, Any], prefix_sharing: bool, step_s: float | None, tflops: float | None,
         method: str = "lora") -> float | None:
     """Model FLOPs utilisation of a step over `shape`'s batch: Shape.step_flops / its time / the probed rate."""
@@ -255,6 +274,11 @@ def environment() -> dict[str, Any]:
     if env["device"].startswith("Device(gpu") and hasattr(mx, "device_info"):
         info = mx.device_info()
         env["gpu"] = info.get("device_name") or info.get("architecture")
+    if env["cuda_available"]:
+        mx.eval(mx.zeros(1))  # this process's context: what the device holds beyond it is another's
+        used = (cuda_pool_memory() or {}).get("device_used")
+        env["device_used_gb_at_start"] = None if used is None else round(used / 1e9, 3)
+        warn_busy_device(env["device_used_gb_at_start"])
     return env
 
 
@@ -335,8 +359,12 @@ def main() -> None:
                                                    "'{\"attention_backward\": \"fused\"}' (a case's own keys win)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--probe", help=argparse.SUPPRESS)
+    ap.add_argument("--write-model", help=argparse.SUPPRESS)
     a = ap.parse_args()
     OVERLAY.update(json.loads(a.engine))
+    if a.write_model:
+        write_model_here(json.loads(a.write_model))
+        return
     if a.probe:
         dtype, n = a.probe.split(":")
         print(matmul_tflops(dtype, int(n)), flush=True)

@@ -4,11 +4,13 @@ Pure Python on purpose (no MLX, no torch): both benchmarks import it, in their o
 they run exactly the same model and batch shapes.
 
 A suite is what one `--shape NAME` runs: a list of cases (one subprocess each) plus the target checks
-computed from them (ratios between two cases measured in that same run).
+computed from them (ratios between two cases measured in that same run). Both also check, the same way, that
+the device is theirs alone as they start.
 """
 
 from __future__ import annotations
 
+import sys
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
@@ -424,3 +426,15 @@ def format_checks(checks: list[dict[str, Any]]) -> str:
         measured = "not measured" if c["ratio"] is None else f"{c['ratio']:.2f}x ({'met' if c['met'] else 'NOT met'})"
         lines.append(f"  {c['label']} [{c['metric']}]: {measured}, target {c['target']}")
     return "\n".join(lines)
+
+
+# In use on the device before a bench has done any work, beyond its own CUDA context: another process's.
+BUSY_DEVICE_GB = 2.0
+
+
+def warn_busy_device(used_gb: float | None) -> None:
+    """Say on stderr when the device had more than BUSY_DEVICE_GB in use as the bench started: its memory and
+    speed are then shared with something else (a run a `timeout` left behind, another job)."""
+    if used_gb is not None and used_gb > BUSY_DEVICE_GB:
+        print(f"warning: the device had {used_gb:.1f} GB in use before this bench started (another process?): "
+              "its times and peaks may not be this run's alone", file=sys.stderr, flush=True)

@@ -101,13 +101,13 @@ def write_tokenizer(out: Path, corpus: list[str], vocab: int) -> None:
 
 
 def write_model(shape: Shape, out: Path, seed: int) -> None:
-    """A random-init model of the geometry as an HF-style folder (model_type mistral, as Mistral-7B-v0.1's)."""
-    from engine import build_model
-    from mlx_lm.utils import save_config, save_model
+    """A random-init model of the geometry as an HF-style folder (model_type mistral, as Mistral-7B-v0.1's), written
+    by a fresh process (engine.write_model: this one then holds no device memory while the DAG runs)."""
+    import engine
 
-    save_model(out, build_model(shape, seed))
-    save_config({"model_type": "mistral", **shape.llama_config(), "max_position_embeddings": 32768,
-                 "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": shape.dtype}, out / "config.json")
+    config = {"model_type": "mistral", **shape.llama_config(), "max_position_embeddings": 32768, "bos_token_id": 1,
+              "eos_token_id": 2, "torch_dtype": shape.dtype}
+    engine.write_model(shape, out, seed, config)
 
 
 def overlay(work: Path, a: argparse.Namespace) -> dict[str, Any]:

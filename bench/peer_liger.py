@@ -70,6 +70,7 @@ from engine_shapes import (
     random_pair_tokens,
     step_shapes,
     ultrafeedback_lengths,
+    warn_busy_device,
 )
 
 LAMBDA = 0.1  # ORPO's lambda (Liger calls it beta): the same weight as bench/engine.py
@@ -448,8 +449,13 @@ def environment() -> dict[str, Any]:
         except importlib.metadata.PackageNotFoundError:
             versions[dist] = None
     cuda = torch.cuda.is_available()
-    return {"device": torch.cuda.get_device_name(0) if cuda else "cpu", "cuda_available": cuda,
-            "python": platform.python_version(), "versions": versions, "cpu_count": os.cpu_count()}
+    env = {"device": torch.cuda.get_device_name(0) if cuda else "cpu", "cuda_available": cuda,
+           "python": platform.python_version(), "versions": versions, "cpu_count": os.cpu_count()}
+    if cuda:
+        free, total = torch.cuda.mem_get_info()  # creates this process's context first
+        env["device_used_gb_at_start"] = round((total - free) / 1e9, 3)
+        warn_busy_device(env["device_used_gb_at_start"])
+    return env
 
 
 def main() -> None:

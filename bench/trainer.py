@@ -86,13 +86,12 @@ def write_rendered(out: Path, lengths: list[tuple[int, int, int]], vocab: int, s
 
 
 def write_model(shape: Shape, out: Path, seed: int) -> None:
-    """bench/engine.py's random-init llama of the geometry, as an HF-style folder mlx-lm loads (no tokenizer needed)."""
-    from engine import build_model
-    from mlx_lm.utils import save_config, save_model
+    """bench/engine.py's random-init llama of the geometry, as an HF-style folder mlx-lm loads (no tokenizer needed),
+    written by a fresh process (engine.write_model)."""
+    import engine
 
     config = {"model_type": "llama", **shape.llama_config(), "max_position_embeddings": 8192}
-    save_model(out, build_model(shape, seed))
-    save_config(config, out / "config.json")
+    engine.write_model(shape, out, seed, config)
 
 
 def settings_for(batch: int, accum: int, steps: int, engine: dict[str, Any], method: str = "lora",
@@ -211,7 +210,6 @@ def profile(model: Path, rendered: Path, settings: dict[str, Any], steps: int) -
     """Milliseconds per phase of the trainer's step (median over steps), each phase followed by mx.eval."""
     import mlx.core as mx
     import mlx.optimizers as optim
-    from mlx.utils import tree_flatten
 
     from orpo.train.session import build_session
     from orpo.train.settings import train_settings

@@ -323,6 +323,11 @@ def test_a_prediction_past_the_device_or_the_plans_budget_is_a_warning():
     over = memory_warning({"peak": 1.5, "bytes": {"peak": 1.5 * GB}, "budget_gb": 1.0, "segment_layers": 1,
                            "mlp_chunks": 8})
     assert "no memory plan fits the budget of 1.0 GB" in over and "mlp_chunks 8" in over
+    # Memory another process holds counts against the device: a peak that fits alone no longer does beside it.
+    fits = device_memory() - 2 * GB
+    assert memory_warning({"peak": fits / GB, "bytes": {"peak": fits}}, outside=GB) is None
+    shared = memory_warning({"peak": fits / GB, "bytes": {"peak": fits}, "segment_layers": 0}, outside=3 * GB)
+    assert "beside 3.0 GB in use outside this run" in shared and "segment_layers 0" in shared
 
 
 @pytest.mark.parametrize("start", ["zero", "previous"])

@@ -228,15 +228,17 @@ def plain_reach(sess: Any, extent: tuple[int, int, int], budget: int) -> dict[st
     return found
 
 
-def memory_warning(predicted: dict[str, Any]) -> str | None:
-    """A warning when the predicted peak passes the device's memory (the run would likely fail), or the budget the
-    memory plan was made for (nothing it could choose fits: the run may still fit the device), else None."""
+def memory_warning(predicted: dict[str, Any], outside: int = 0) -> str | None:
+    """A warning when the predicted peak, beside `outside` bytes of the device in use outside the run's memory pool
+    (other processes, libraries' workspaces), passes the device's memory (the run would likely fail), or the peak
+    passes the budget the memory plan was made for (nothing it could choose fits: the run may still fit), else None."""
     device, peak = device_memory(), predicted["bytes"]["peak"]
     plan = f"train.engine.segment_layers {predicted.get('segment_layers', 0)}, mlp_chunks {predicted.get('mlp_chunks', 1)}"
     smaller = "a smaller batch_size (grad_accum keeps the step's pairs) or shorter pairs take memory off"
-    if peak > device:
-        return (f"the predicted peak {predicted['peak']:.1f} GB passes the device's {device / GB:.1f} GB at {plan}; "
-                f"segments and mlp_chunks (auto: planned to the least peak where nothing fits) and {smaller}")
+    if peak + outside > device:
+        held = f" beside {outside / GB:.1f} GB in use outside this run (other processes?)" if outside else ""
+        return (f"the predicted peak {predicted['peak']:.1f} GB{held} passes the device's {device / GB:.1f} GB at "
+                f"{plan}; segments and mlp_chunks (auto: planned to the least peak where nothing fits) and {smaller}")
     if "budget_gb" in predicted and predicted["peak"] > predicted["budget_gb"]:
         return (f"no memory plan fits the budget of {predicted['budget_gb']:.1f} GB: the least predicted peak is "
                 f"{predicted['peak']:.1f} GB ({plan}), under the device's {device / GB:.1f} GB; {smaller}")

@@ -133,7 +133,10 @@ def _train(sess: Session, record: dict[str, Any], rendered_dir: str | Path, out_
         progress.event({"resumed_from_step": start})
     # Printed before the first step; index.json's run.memory_predicted keeps it.
     predicted = sess.plan or predict_memory(sess)  # the plan's prediction is the run's (its budget beside)
-    progress.event({"predicted_memory_gb": predicted, **({"warning": w} if (w := memory_warning(predicted)) else {})})
+    pool = cuda_pool_memory() or {}
+    outside = pool["device_used"] - pool["pool_reserved"] if "device_used" in pool else 0
+    warning = memory_warning(predicted, outside)
+    progress.event({"predicted_memory_gb": predicted, **({"warning": warning} if warning else {})})
     val = load_pairs(Path(rendered_dir) / "validation.parquet")
     index = read_index(work)
     if not len(val):

@@ -9,7 +9,7 @@ change shape (each change meets another compiled trace and its device state). `-
 `train.group_by_length` does. `--pack W` adds the rows `train.engine.pack_width` W builds: each step's pairs
 placed first-fit, longest first, into rows of W positions, micro-batches of `--pack-rows` such rows (a step's
 last micro-batch the rows left), so the micro-batches' shapes differ only in that last one's rows and in their
-targets' ladder rung.
+targets' ladder rung; and which steps meet a shape for the first time (a new trace of the compiled step).
 
     .venv/bin/python bench/row_padding.py --pairs 1024 [--window 32] [--pack 2560 --pack-rows 2]
 """
@@ -79,16 +79,22 @@ def packed(pairs: Pairs, schedule: list[list[int]], width: int, rows: int, multi
     if max(blocks) > width:
         sys.exit(f"--pack {width}: the longest pair takes {max(blocks)} positions")
     positions = real = micro = 0
-    shapes = []
-    for step in schedule:
+    shapes, new_at = [], []  # new_at: the steps that meet a shape no step before met (each a trace)
+    for i, step in enumerate(schedule, 1):
+        seen = len(set(shapes))
         for b in prepare_packed_step(pairs.select(step), [blocks[r] for r in step], engine):
             micro += 1
             positions, real = positions + b.positions, real + b.row_tokens
             shapes.append(b.signature())
+        if len(set(shapes)) > seen:
+            new_at.append(i)
     changes = sum(x != y for x, y in zip(shapes, shapes[1:]))
     print(f"packed into {rows} x {width}{'':<17} positions {positions:>10,}  padding {1 - real / positions:.3f}  "
           f"micro-batches {micro / len(schedule):.2f} a step  shapes {len(set(shapes))}, "
           f"changes {changes / len(schedule):.2f} a step")
+    quarter = [sum(len(schedule) * q / 4 < s <= len(schedule) * (q + 1) / 4 for s in new_at) for q in range(4)]
+    print(f"  steps meeting a new shape: {len(new_at)} of {len(schedule)}, by quarter of the epoch {quarter}, "
+          f"the last at step {new_at[-1]}")
 
 
 if __name__ == "__main__":

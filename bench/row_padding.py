@@ -79,18 +79,19 @@ def packed(pairs: Pairs, schedule: list[list[int]], width: int, rows: int, multi
     if max(blocks) > width:
         sys.exit(f"--pack {width}: the longest pair takes {max(blocks)} positions")
     positions = real = micro = 0
-    shapes, new_at = [], []  # new_at: the steps that meet a shape no step before met (each a trace)
+    shapes, seen, new_at = [], set(), []  # new_at: the steps that meet a shape no step before met (each a trace)
     for i, step in enumerate(schedule, 1):
-        seen = len(set(shapes))
+        before = len(seen)
         for b in prepare_packed_step(pairs.select(step), [blocks[r] for r in step], engine):
             micro += 1
             positions, real = positions + b.positions, real + b.row_tokens
             shapes.append(b.signature())
-        if len(set(shapes)) > seen:
+            seen.add(shapes[-1])
+        if len(seen) > before:
             new_at.append(i)
     changes = sum(x != y for x, y in zip(shapes, shapes[1:]))
     print(f"packed into {rows} x {width}{'':<17} positions {positions:>10,}  padding {1 - real / positions:.3f}  "
-          f"micro-batches {micro / len(schedule):.2f} a step  shapes {len(set(shapes))}, "
+          f"micro-batches {micro / len(schedule):.2f} a step  shapes {len(seen)}, "
           f"changes {changes / len(schedule):.2f} a step")
     quarter = [sum(len(schedule) * q / 4 < s <= len(schedule) * (q + 1) / 4 for s in new_at) for q in range(4)]
     print(f"  steps meeting a new shape: {len(new_at)} of {len(schedule)}, by quarter of the epoch {quarter}, "

@@ -19,7 +19,6 @@ a decode step's time is their difference over the extra steps.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from pathlib import Path

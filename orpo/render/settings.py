@@ -17,7 +17,6 @@ from typing import Any
 
 from tokenizers import Tokenizer
 
-from orpo.config import RENDER_STAGE_KEYS
 from orpo.render.template import ChatTemplate, calls_strftime_now, leading_ids, load_template, load_tokenizer, pin_date
 from orpo.settings import typed
 

@@ -14,7 +14,6 @@ import time
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
 
 from orpo.eval.judge.settings import JudgeSettings, api_key
 

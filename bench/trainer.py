@@ -427,6 +427,8 @@ def main() -> None:
                         settings_for(batch, accum, max_steps, engine, a.method, epochs), a.timeout, skip)
         if warmup is not None:
             res["warmup_wall_s"] = warmup["wall_s"]
+        results["cases"][name] = res
+        save()  # a device call cut off in the paired run still returns the first
         if a.paired_engine or paired_env or a.paired_train:
             paired = {**engine, **json.loads(a.paired_engine or "{}")}
             train = json.loads(a.paired_train or "{}")

@@ -452,7 +452,6 @@ def main() -> None:
                                                    env["matmul_tflops"], a.method, sharing)
         if name in ("fixed", "mean") and not a.no_engine_bench:
             res["engine_bench"] = engine_bench(at, a.timeout)
-        results["cases"][name] = res
         predicted = (res.get("memory_predicted") or {}).get("peak")
         print(f"  {name}: " + (f"{res['step_s']:.3f} s/step, {res['two_forward_tokens_per_s']:.0f} two-forward tok/s, "
                                f"peak {res['peak_gb']:.2f} GB" if "step_s" in res else "")
